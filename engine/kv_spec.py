@@ -1,0 +1,118 @@
+"""KV-cache specs: the memory *format* of one group of layers, apart from the allocator.
+
+The allocator (``engine.kv_manager``) is generic; it asks a spec how many blocks a sequence of
+``n`` tokens holds and how many bytes one token costs. Pure Python: no torch here.
+
+Per-layer cache tensors (allocated by the model runner, read by ``kernels``):
+
+- ``FullAttentionSpec`` / ``SlidingWindowSpec``: K and V, each ``[num_blocks, block_size,
+  num_kv_heads, head_dim]``. Query heads of a GQA group read the same K/V rows.
+- ``MLASpec``: one tensor ``[num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]``;
+  the value is the view ``[..., :kv_lora_rank]`` of the same rows (MQA over latents).
+
+Sliding window as a ring: a sequence holds at most ``ring_len = ceil(window / block_size) + 1``
+blocks, and position p lives in ``table[(p // block_size) % ring_len]``::
+
+    window = 8, block_size = 4 -> ring_len = 3 (12 slots)
+    positions:  0  1  2  3 | 4  5  6  7 | 8  9 10 11 | 12 13 14 15
+    table idx:      0      |     1      |     2      |     0 (reused)
+    attending from p = 13:  positions 6..13 (window counts the current token)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import ceil
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    """Full attention; MHA when num_kv_heads == num_heads, GQA/MQA when fewer."""
+
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float32"
+
+    @property
+    def window(self) -> int:
+        return 0
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token costs in one layer (K and V)."""
+        return 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    def num_blocks(self, num_tokens: int, block_size: int) -> int:
+        """Blocks a sequence of ``num_tokens`` cached tokens holds."""
+        return ceil(num_tokens / block_size)
+
+    def table_width(self, max_model_len: int, block_size: int) -> int:
+        return ceil(max_model_len / block_size)
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    """Local attention over the last ``window`` positions (current token included), as a ring."""
+
+    window_size: int = 0
+
+    @property
+    def window(self) -> int:
+        return self.window_size
+
+    def ring_len(self, block_size: int) -> int:
+        return ceil(self.window_size / block_size) + 1
+
+    def num_blocks(self, num_tokens: int, block_size: int) -> int:
+        return min(ceil(num_tokens / block_size), self.ring_len(block_size))
+
+    def table_width(self, max_model_len: int, block_size: int) -> int:
+        # The ring addressing in the kernels takes the table width as ring_len.
+        return self.ring_len(block_size)
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """DeepSeek-style compressed latent ``c_kv`` plus the roped key part, shared by all heads."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    dtype: str = "float32"
+
+    @property
+    def window(self) -> int:
+        return 0
+
+    @property
+    def row_width(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.row_width * DTYPE_BYTES[self.dtype]
+
+    def num_blocks(self, num_tokens: int, block_size: int) -> int:
+        return ceil(num_tokens / block_size)
+
+    def table_width(self, max_model_len: int, block_size: int) -> int:
+        return ceil(max_model_len / block_size)
+
+
+KVSpec = FullAttentionSpec | SlidingWindowSpec | MLASpec
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that share one layout and so one block table per sequence."""
+
+    spec: KVSpec
+    layer_ids: tuple[int, ...]
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.spec.bytes_per_token * len(self.layer_ids)
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return self.bytes_per_token * block_size

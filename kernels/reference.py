@@ -1,0 +1,108 @@
+"""Plain torch paged attention: obviously right, walks the block table. The CPU backend.
+
+Shapes (T new tokens, B sequences, N blocks, bs block size):
+  k_cache [N, bs, Hkv, Dk], v_cache [N, bs, Hkv, Dv] (v may be a view of k_cache, as for MLA)
+  block_tables int32 [B, W]; seq_lens / prefix_lens int32 [B]
+  window > 0: attend to the last ``window`` positions (current one included); the table is a
+  ring of width W and position p lives in table[(p // bs) % W].
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _positions_to_slots(
+    table: torch.Tensor, positions: torch.Tensor, block_size: int, window: int
+) -> torch.Tensor:
+    logical = positions // block_size
+    if window > 0:
+        logical = logical % table.shape[0]
+    return table[logical].long() * block_size + positions % block_size
+
+
+def gather_cache(
+    cache: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, window: int = 0
+) -> torch.Tensor:
+    """Rows of ``cache`` ([N, bs, H, D]) at the given positions of one sequence -> [P, H, D]."""
+    num_blocks, block_size = cache.shape[:2]
+    slots = _positions_to_slots(table, positions.to(table.device), block_size, window)
+    return cache.reshape(num_blocks * block_size, *cache.shape[2:])[slots]
+
+
+def write_cache(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter ``rows`` ([T, H, D]) into ``cache`` ([N, bs, H, D]); slot -1 is skipped."""
+    keep = slot_mapping >= 0
+    flat = cache.view(cache.shape[0] * cache.shape[1], *cache.shape[2:])
+    flat[slot_mapping[keep]] = rows[keep].to(cache.dtype)
+
+
+def _attend(q, k, v, scale, mask=None):
+    """q [Tq, Hq, D], k/v [Tk, Hkv, D] -> [Tq, Hq, Dv]; fp32 softmax, GQA by grouping heads."""
+    hq, hkv = q.shape[1], k.shape[1]
+    group = hq // hkv
+    qf = q.float().view(q.shape[0], hkv, group, q.shape[2])
+    scores = torch.einsum("qhgd,khd->hgqk", qf, k.float()) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("hgqk,khd->qhgd", probs, v.float())
+    return out.reshape(q.shape[0], hq, v.shape[2]).to(q.dtype)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
+) -> torch.Tensor:
+    """One query token per sequence (already written to the cache) -> [B, Hq, Dv]."""
+    out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=q.dtype, device=q.device)
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start = max(0, seq_len - window) if window > 0 else 0
+        pos = torch.arange(start, seq_len, device=q.device)
+        k = gather_cache(k_cache, block_tables[i], pos, window)
+        v = gather_cache(v_cache, block_tables[i], pos, window)
+        out[i] = _attend(q[i : i + 1], k, v, scale)[0]
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
+) -> torch.Tensor:
+    """Chunks of new tokens attending causally to themselves and to their cached prefix.
+
+    q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv] are the new tokens (read from these tensors,
+    not from the cache); sequence i owns rows cu_seqlens_q[i]:cu_seqlens_q[i+1], at positions
+    prefix_lens[i] + j. The prefix [0, prefix_len) is read through the block table.
+    """
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
+    bounds = cu_seqlens_q.tolist()
+    for i, prefix in enumerate(prefix_lens.tolist()):
+        lo, hi = bounds[i], bounds[i + 1]
+        n = hi - lo
+        if n == 0:
+            continue
+        first = max(0, prefix - window + 1) if window > 0 else 0
+        pos_k = torch.arange(first, prefix + n, device=q.device)
+        pos_q = torch.arange(prefix, prefix + n, device=q.device)
+        cached = torch.arange(first, prefix, device=q.device)
+        k_all = torch.cat([gather_cache(k_cache, block_tables[i], cached, window), k[lo:hi]])
+        v_all = torch.cat([gather_cache(v_cache, block_tables[i], cached, window), v[lo:hi]])
+        mask = pos_k[None, :] <= pos_q[:, None]
+        if window > 0:
+            mask &= pos_k[None, :] > pos_q[:, None] - window
+        out[lo:hi] = _attend(q[lo:hi], k_all, v_all, scale, mask)
+    return out
