@@ -1,0 +1,30 @@
+"""Shared fixtures: converted real models (fetched once into the kvserve cache)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Triton kernels run under the interpreter when there is no GPU; set before triton is imported.
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover
+    pass
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    from models.fetch import fetch
+
+    return fetch("smollm2-135m-instruct", progress=False)
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir():
+    from models.fetch import fetch
+
+    return fetch("gemma3-270m", progress=False)
