@@ -1,0 +1,629 @@
+"""The OpenAI-compatible HTTP API over an AsyncEngine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.errors import QueueFullError, RequestError
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams
+from server.protocol import (
+    MIN_LOGPROB,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    TopLogprob,
+    Usage,
+    describe_validation_error,
+    random_id,
+)
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+
+log = logging.getLogger("kvserve.server")
+
+# How often a non-streaming request looks for its client having gone away.
+DISCONNECT_POLL_S = 0.25
+
+
+class ModelNotFoundError(RequestError):
+    status = 404
+
+    def __init__(self, model: str):
+        super().__init__(
+            f"The model `{model}` does not exist.", param="model", code="model_not_found"
+        )
+
+
+class ClientGoneError(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+# ---- one generation: n engine requests merged into one stream of choices ----
+
+
+@dataclass
+class SubRequest:
+    index: int  # the choice index in the response
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class ChoiceState:
+    """A choice as accumulated so far from the engine's deltas."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, delta: CompletionOutput) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs or ())
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+
+
+async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """Interleave async iterators as (which, item), in arrival order."""
+    if len(streams) == 1:
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()
+        return
+    done = object()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((i, item))
+            queue.put_nowait((i, done))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class Generation:
+    """The engine requests behind one HTTP request, and the choices they build."""
+
+    def __init__(self, engine: AsyncEngine, subs: list[SubRequest]):
+        self.engine = engine
+        self.subs = subs
+        self.choices = {sub.index: ChoiceState(sub.index) for sub in subs}
+        streams = [
+            engine.generate(sub.prompt_token_ids, sub.params, sub.request_id) for sub in subs
+        ]
+        self._stream = merge_streams(streams)
+        self._first: tuple[int, RequestOutput] | None = None
+
+    async def start(self) -> None:
+        """Waits for the first output, so that a refused request fails before any byte is sent."""
+        try:
+            self._first = await anext(self._stream)
+        except StopAsyncIteration:
+            pass
+        except BaseException:
+            self.abort_unfinished()
+            await self._stream.aclose()
+            raise
+
+    async def deltas(self) -> AsyncIterator[tuple[ChoiceState, CompletionOutput]]:
+        try:
+            if self._first is not None:
+                yield self._apply(*self._first)
+                self._first = None
+            async for which, out in self._stream:
+                yield self._apply(which, out)
+        finally:
+            self.abort_unfinished()
+            await self._stream.aclose()
+
+    def _apply(self, which: int, out: RequestOutput) -> tuple[ChoiceState, CompletionOutput]:
+        choice = self.choices[self.subs[which].index]
+        delta = out.outputs[0]
+        choice.add(delta)
+        return choice, delta
+
+    def abort_unfinished(self) -> None:
+        # Synchronous on purpose: it frees the blocks even when the task closing the streams
+        # is itself being cancelled and cannot await their cleanup.
+        for sub in self.subs:
+            if self.choices[sub.index].finish_reason is None:
+                self.engine.abort(sub.request_id)
+
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices.values())
+
+
+def check_finished(choice: ChoiceState) -> None:
+    if choice.finish_reason == "error":
+        raise RuntimeError(f"the engine failed choice {choice.index}")
+
+
+# ---- the server ----
+
+
+class OpenAIServer:
+    def __init__(
+        self, engine: AsyncEngine, served_model_name: str, extra_model_names: Iterable[str] = ()
+    ):
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.model_names = {served_model_name, engine.model_name, *extra_model_names}
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise ModelNotFoundError(model)
+
+    # -- prompts --
+
+    def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+        tok = self.engine.tokenizer
+        if not tok.has_chat_template:
+            raise RequestError(
+                "This model has no chat template; use /v1/completions.", param="messages"
+            )
+        try:
+            return tok.encode_chat([m.as_template_input() for m in messages])
+        except jinja2.TemplateError as e:
+            raise RequestError(f"The chat template refused the messages: {e}", "messages") from e
+
+    def text_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.engine.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.token_str(token_id)
+
+    # -- generation --
+
+    async def generation(
+        self,
+        rid: str,
+        prompts: list[list[int]],
+        n: int,
+        make_params: Callable[[int], SamplingParams],
+    ) -> Generation:
+        subs = []
+        for p, ids in enumerate(prompts):
+            for k in range(n):
+                params = make_params(k)
+                if k == 0:
+                    self.engine.validate(ids, params)
+                index = p * n + k
+                subs.append(SubRequest(index, f"{rid}-{index}", ids, params))
+        gen = Generation(self.engine, subs)
+        await gen.start()
+        return gen
+
+    async def collect(self, gen: Generation, request: Request) -> list[ChoiceState]:
+        """Runs a generation to its end, aborting it if the client goes away meanwhile."""
+
+        async def drain() -> None:
+            async for _ in gen.deltas():
+                pass
+
+        async def client_gone() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_S)
+
+        work = asyncio.create_task(drain())
+        watch = asyncio.create_task(client_gone())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                gen.abort_unfinished()
+                work.cancel()
+        if work.cancelled():
+            raise ClientGoneError()
+        work.result()
+        choices = [gen.choices[i] for i in sorted(gen.choices)]
+        for choice in choices:
+            check_finished(choice)
+        return choices
+
+    # -- /v1/completions --
+
+    async def completions(self, req: CompletionRequest, request: Request) -> Response:
+        self.check_model(req.model)
+        rid = random_id("cmpl")
+        prompts = [self.text_prompt(p) for p in req.prompts]
+
+        def make_params(k: int) -> SamplingParams:
+            return req.sampling_params(req.max_tokens, req.logprobs, seed_offset=k)
+
+        gen = await self.generation(rid, prompts, req.n, make_params)
+        usage_prompt = sum(len(ids) for ids in prompts)
+        if req.stream:
+            return sse_response(self.completion_events(rid, gen, req, usage_prompt))
+        choices = await self.collect(gen, request)
+        return json_response(
+            CompletionResponse(
+                id=rid,
+                model=self.served_model_name,
+                choices=[
+                    CompletionChoice(
+                        index=c.index,
+                        text=c.text,
+                        logprobs=self.completion_logprobs(c.logprobs, req.logprobs, 0),
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                    for c in choices
+                ],
+                usage=Usage.of(usage_prompt, gen.completion_tokens()),
+            )
+        )
+
+    async def completion_events(
+        self, rid: str, gen: Generation, req: CompletionRequest, usage_prompt: int
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        offsets = dict.fromkeys(gen.choices, 0)
+        async for choice, delta in gen.deltas():
+            logprobs = self.completion_logprobs(delta.logprobs, req.logprobs, offsets[choice.index])
+            if logprobs is not None:
+                offsets[choice.index] += sum(len(t) for t in logprobs.tokens)
+            if not delta.text and delta.finish_reason is None and logprobs is None:
+                continue
+            if delta.finish_reason == "error":
+                yield sse_error(RuntimeError("the engine failed this request"))
+                return
+            chunk = CompletionResponse(
+                id=rid,
+                created=created,
+                model=self.served_model_name,
+                choices=[
+                    CompletionChoice(
+                        index=choice.index,
+                        text=delta.text,
+                        logprobs=logprobs,
+                        finish_reason=delta.finish_reason,
+                        stop_reason=delta.stop_reason,
+                    )
+                ],
+            )
+            yield sse(chunk)
+        if req.include_usage:
+            usage = Usage.of(usage_prompt, gen.completion_tokens())
+            yield sse(
+                CompletionResponse(
+                    id=rid, created=created, model=self.served_model_name, choices=[], usage=usage
+                )
+            )
+        yield "data: [DONE]\n\n"
+
+    def completion_logprobs(
+        self, entries: list[TokenLogprob] | None, k: int | None, offset: int
+    ) -> CompletionLogprobs | None:
+        if k is None or not entries:
+            return None
+        out = CompletionLogprobs()
+        for entry in entries:
+            token = self.token_text(entry.token_id)
+            top = {self.token_text(t): clamp(lp) for t, lp in entry.top[:k]}
+            top.setdefault(token, clamp(entry.logprob))
+            out.tokens.append(token)
+            out.token_logprobs.append(clamp(entry.logprob))
+            out.top_logprobs.append(top)
+            out.text_offset.append(offset)
+            offset += len(token)
+        return out
+
+    # -- /v1/chat/completions --
+
+    async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
+        self.check_model(req.model)
+        rid = random_id("chatcmpl")
+        prompt = self.chat_prompt(req.messages)
+
+        def make_params(k: int) -> SamplingParams:
+            return req.sampling_params(req.max_new_tokens, req.num_logprobs, seed_offset=k)
+
+        gen = await self.generation(rid, [prompt], req.n, make_params)
+        if req.stream:
+            return sse_response(self.chat_events(rid, gen, req, len(prompt)))
+        choices = await self.collect(gen, request)
+        return json_response(
+            ChatCompletionResponse(
+                id=rid,
+                model=self.served_model_name,
+                choices=[
+                    ChatChoice(
+                        index=c.index,
+                        message=AssistantMessage(content=c.text),
+                        logprobs=self.chat_logprobs(c.logprobs, req.num_logprobs),
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                    for c in choices
+                ],
+                usage=Usage.of(len(prompt), gen.completion_tokens()),
+            )
+        )
+
+    async def chat_events(
+        self, rid: str, gen: Generation, req: ChatCompletionRequest, usage_prompt: int
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
+            return sse(
+                ChatCompletionChunk(
+                    id=rid,
+                    created=created,
+                    model=self.served_model_name,
+                    choices=choices,
+                    usage=usage,
+                )
+            )
+
+        for index in sorted(gen.choices):
+            role = DeltaMessage(role="assistant", content="")
+            yield chunk([ChatStreamChoice(index=index, delta=role)])
+        async for choice, delta in gen.deltas():
+            logprobs = self.chat_logprobs(delta.logprobs, req.num_logprobs)
+            if not delta.text and delta.finish_reason is None and logprobs is None:
+                continue
+            if delta.finish_reason == "error":
+                yield sse_error(RuntimeError("the engine failed this request"))
+                return
+            content = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
+            yield chunk(
+                [
+                    ChatStreamChoice(
+                        index=choice.index,
+                        delta=content,
+                        logprobs=logprobs,
+                        finish_reason=delta.finish_reason,
+                        stop_reason=delta.stop_reason,
+                    )
+                ]
+            )
+        if req.include_usage:
+            yield chunk([], Usage.of(usage_prompt, gen.completion_tokens()))
+        yield "data: [DONE]\n\n"
+
+    def chat_logprobs(
+        self, entries: list[TokenLogprob] | None, k: int | None
+    ) -> ChatLogprobs | None:
+        if k is None or entries is None:
+            return None
+        content = []
+        for entry in entries:
+            token = self.token_text(entry.token_id)
+            top = [
+                TopLogprob(token=(t := self.token_text(tid)), logprob=clamp(lp), bytes=utf8(t))
+                for tid, lp in entry.top[:k]
+            ]
+            content.append(
+                ChatTokenLogprob(
+                    token=token,
+                    logprob=clamp(entry.logprob),
+                    bytes=utf8(token),
+                    top_logprobs=top,
+                )
+            )
+        return ChatLogprobs(content=content)
+
+    # -- tokenizer endpoints --
+
+    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(req.model)
+        tok = self.engine.tokenizer
+        if req.messages is not None:
+            if req.add_generation_prompt and not req.add_special_tokens:
+                ids = self.chat_prompt(req.messages)
+            else:
+                messages = [m.as_template_input() for m in req.messages]
+                text = tok.apply_chat_template(messages, req.add_generation_prompt)
+                ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        else:
+            add_special = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = tok.encode(req.prompt, add_special_tokens=add_special)
+        strs = [self.token_text(t) for t in ids] if req.return_token_strs else None
+        return TokenizeResponse(
+            tokens=ids, count=len(ids), max_model_len=self.engine.max_model_len, token_strs=strs
+        )
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(req.model)
+        vocab = self.engine.tokenizer.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"Token ids must be in [0, {vocab}); got {bad[0]}.", "tokens")
+        return DetokenizeResponse(prompt=self.engine.tokenizer.decode(req.tokens))
+
+    def models(self) -> ModelList:
+        card = ModelCard(
+            id=self.served_model_name,
+            root=self.engine.model_name,
+            max_model_len=self.engine.max_model_len,
+        )
+        return ModelList(data=[card])
+
+
+# ---- wire helpers ----
+
+
+def clamp(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
+def utf8(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def json_response(body: BaseModel, status: int = 200) -> Response:
+    return Response(body.model_dump_json(), status_code=status, media_type="application/json")
+
+
+def sse(body: BaseModel) -> str:
+    return f"data: {body.model_dump_json()}\n\n"
+
+
+def sse_error(exc: Exception) -> str:
+    if not isinstance(exc, RequestError):
+        log.error("stream failed", exc_info=exc)
+    return f"data: {error_body(exc).model_dump_json()}\n\n"
+
+
+async def guard_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Headers are gone once a stream starts: a late failure becomes an error event."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:
+        yield sse_error(exc)
+        yield "data: [DONE]\n\n"
+
+
+def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(
+        guard_stream(events), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
+
+
+def error_body(exc: Exception) -> ErrorResponse:
+    if isinstance(exc, RequestError):
+        info = ErrorInfo(message=exc.message, type=exc.type, param=exc.param, code=exc.code)
+    else:
+        message = f"Internal server error: {type(exc).__name__}: {exc}"
+        info = ErrorInfo(message=message, type="internal_server_error")
+    return ErrorResponse(error=info)
+
+
+def error_response(status: int, message: str, param: str | None = None) -> Response:
+    kind = "invalid_request_error" if status < 500 else "internal_server_error"
+    return json_response(
+        ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param)), status
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestError)
+    async def request_error(_: Request, exc: RequestError) -> Response:
+        response = json_response(error_body(exc), exc.status)
+        if isinstance(exc, QueueFullError):
+            response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+        message, param = describe_validation_error(list(exc.errors()))
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        response = error_response(exc.status_code, str(exc.detail))
+        for name, value in (exc.headers or {}).items():
+            response.headers[name] = value
+        return response
+
+    @app.exception_handler(ClientGoneError)
+    async def client_gone(_: Request, exc: ClientGoneError) -> Response:
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> Response:
+        return json_response(error_body(exc), 500)
+
+
+def build_app(
+    engine: AsyncEngine, served_model_name: str | None = None, extra_model_names: Iterable[str] = ()
+) -> FastAPI:
+    """The HTTP app over a running engine. ``model`` in a request must be one of the names."""
+    server = OpenAIServer(engine, served_model_name or engine.model_name, extra_model_names)
+    app = FastAPI(title="kvserve", summary="OpenAI-compatible LLM server")
+    app.state.server = server
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return json_response(server.models())
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        server.check_model(model)
+        return json_response(server.models().data[0])
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await server.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        return await server.chat(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        return json_response(server.tokenize(body))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return json_response(server.detokenize(body))
+
+    return app

@@ -1,0 +1,395 @@
+"""OpenAI-compatible request and response bodies, and their mapping onto SamplingParams."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic_core import PydanticCustomError
+
+from engine.sampling_params import SamplingParams
+
+# OpenAI fields we deliberately leave out. A request may still carry one when its value means
+# "off" (clients often send the default explicitly); anything else is refused by name, so a
+# caller never gets an answer that silently ignored what it asked for.
+UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "tools": ("tool calling", ([],)),
+    "tool_choice": ("tool calling", ("none",)),
+    "tool_calls": ("tool calling", ([],)),
+    "functions": ("function calling", ([],)),
+    "function_call": ("function calling", ("none",)),
+    "parallel_tool_calls": ("tool calling", (False, True)),
+    "response_format": ("structured output; only {'type': 'text'}", ({"type": "text"},)),
+    "logit_bias": ("", ({},)),
+    "best_of": ("", (1,)),
+    "suffix": ("", ("",)),
+    "echo": ("", (False,)),
+    "audio": ("audio output", ()),
+    "modalities": ("only ['text']", (["text"],)),
+    "prediction": ("predicted outputs", ()),
+    "web_search_options": ("web search", ()),
+    "reasoning_effort": ("", ()),
+}
+# Better words than pydantic's for the fields whose type is a union.
+TYPE_HINTS = {
+    "prompt": "prompt must be a string, a list of strings, a list of token ids, "
+    "or a list of token id lists.",
+    "stop": "stop must be a string or a list of strings.",
+}
+
+MAX_N = 64
+MAX_TOP_LOGPROBS = 20
+# JSON has no -Infinity; masked-out alternatives get this instead, as vLLM does.
+MIN_LOGPROB = -9999.0
+
+
+def _normalize(data: Any) -> Any:
+    """Drops explicit nulls (OpenAI reads them as "default") and refuses unsupported features."""
+    if not isinstance(data, dict):
+        return data
+    data = {k: v for k, v in data.items() if v is not None}
+    for name, (feature, harmless) in UNSUPPORTED.items():
+        if name not in data:
+            continue
+        if not any(data[name] == value for value in harmless):
+            detail = f" ({feature})" if feature else ""
+            message = f"`{name}` is not supported by this server{detail}."
+            raise PydanticCustomError("unsupported", message, {"param": name})
+        del data[name]
+    return data
+
+
+class OpenAIBody(BaseModel):
+    """A request body: unknown fields are errors, so a typo is never silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    _normalize = model_validator(mode="before")(_normalize)
+
+
+class StreamOptions(OpenAIBody):
+    include_usage: bool = False
+
+
+class SamplingFields(OpenAIBody):
+    """Fields both generation endpoints share, OpenAI's and vLLM's extensions."""
+
+    model: str | None = None
+    max_tokens: StrictInt | None = None
+    n: StrictInt = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None  # metadata for the caller's own bookkeeping
+    metadata: dict[str, str] | None = None
+    store: bool | None = None  # nothing is stored either way
+    safety_identifier: str | None = None
+    # vLLM extensions
+    top_k: StrictInt = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: StrictInt = 0
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _check_shared(self) -> SamplingFields:
+        if not 1 <= self.n <= MAX_N:
+            raise _field_error("n", f"n must be between 1 and {MAX_N}, got {self.n}.")
+        if self.stream_options is not None and not self.stream:
+            raise _field_error("stream_options", "stream_options is only allowed with stream.")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, seed_offset: int = 0
+    ) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=None if self.seed is None else self.seed + seed_offset,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            stop=tuple(stop),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            min_tokens=self.min_tokens,
+        )
+
+
+def _field_error(param: str, message: str) -> PydanticCustomError:
+    return PydanticCustomError("invalid_field", message, {"param": param})
+
+
+def describe_validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """(message, param) for the first problem pydantic or FastAPI found in a body."""
+    if not errors:
+        return "Invalid request body.", None
+    err = errors[0]
+    loc = [str(part) for part in err.get("loc", ()) if part != "body"]
+    ctx = err.get("ctx") or {}
+    kind = err.get("type", "")
+    if kind == "json_invalid":
+        return f"Malformed JSON body: {ctx.get('error', err.get('msg'))}.", None
+    if "param" in ctx:
+        return err["msg"], ctx["param"]
+    if not loc:
+        if kind == "missing":
+            return "A JSON object body is required.", None
+        return "The request body must be a JSON object.", None
+    field = ".".join(loc)
+    if kind == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {field}", field
+    if kind == "missing":
+        return f"Missing required parameter: {field}.", field
+    if loc[0] in TYPE_HINTS:
+        return TYPE_HINTS[loc[0]], loc[0]
+    return f"Invalid value for `{field}`: {err.get('msg')}.", field
+
+
+TokenIds = list[StrictInt]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: StrictInt | None = 16
+    logprobs: StrictInt | None = None
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one entry per prompt, text or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+class TextPart(OpenAIBody):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIBody):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        # Templates written for older models know no "developer" role; it means "system".
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: StrictInt | None = None
+    logprobs: bool = False
+    top_logprobs: StrictInt | None = None
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise _field_error("top_logprobs", "top_logprobs requires logprobs to be true.")
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                message = f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}."
+                raise _field_error("top_logprobs", message)
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """None: up to the context limit, as OpenAI's chat endpoint does."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(OpenAIBody):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise _field_error("prompt", "Give exactly one of `prompt` or `messages`.")
+        return self
+
+
+class DetokenizeRequest(OpenAIBody):
+    model: str | None = None
+    tokens: TokenIds
+
+
+# ---- responses ----
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions format: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "kvserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
