@@ -273,6 +273,7 @@ class OpenAIServer:
             if not work.done():
                 gen.abort_unfinished()
                 work.cancel()
+                await asyncio.wait({work})
         if work.cancelled():
             raise ClientGoneError()
         work.result()
