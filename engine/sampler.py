@@ -1,0 +1,103 @@
+"""Turn logits into next tokens: penalties, temperature, top-k/top-p/min-p, seeds, logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.outputs import TokenLogprob
+from engine.sampling_params import SamplingParams
+
+
+class Sampler:
+    def __init__(self, seed: int, eos_token_ids: tuple[int, ...], device: torch.device):
+        self.device = device
+        self.eos_token_ids = list(eos_token_ids)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.request_generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.request_generators.pop(rid, None)
+
+    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        if params.seed is None:
+            return self.generator
+        gen = self.request_generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+            self.request_generators[request_id] = gen
+        return gen
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        request_ids: list[str],
+        params: list[SamplingParams],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+    ) -> list[tuple[int, TokenLogprob | None]]:
+        """logits [n, V] for n requests -> (token id, logprob record or None) per request."""
+        logits = logits.float()
+        if all(p.greedy and p.logprobs is None and not _has_penalty(p) for p in params):
+            if all(p.min_tokens == 0 for p in params):
+                return [(t, None) for t in logits.argmax(dim=-1).tolist()]
+        results = []
+        for i, p in enumerate(params):
+            row = self._process(logits[i], p, prompt_ids[i], output_ids[i])
+            token = self._choose(row, p, self._generator(request_ids[i], p))
+            results.append((token, _logprob(row, token, p.logprobs)))
+        return results
+
+    def _process(
+        self, row: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]
+    ) -> torch.Tensor:
+        row = row.clone()
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(prompt) | set(output)), device=row.device)
+            if seen.numel():
+                vals = row[seen]
+                row[seen] = torch.where(
+                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+                )
+        if (p.frequency_penalty or p.presence_penalty) and output:
+            counts = torch.bincount(
+                torch.tensor(output, device=row.device), minlength=row.shape[0]
+            ).to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        if len(output) < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+            if banned:
+                row[torch.tensor(banned, device=row.device)] = float("-inf")
+        return row
+
+    @staticmethod
+    def _choose(row: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
+        if p.greedy:
+            return int(row.argmax())
+        row = row / p.temperature
+        if p.top_k > 0 and p.top_k < row.shape[0]:
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            drop = sorted_probs.cumsum(0) - sorted_probs > p.top_p  # keep the first over top_p
+            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+        if p.min_p > 0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+
+
+def _logprob(row: torch.Tensor, token: int, k: int | None) -> TokenLogprob | None:
+    if k is None:
+        return None
+    logprobs = torch.log_softmax(row, dim=-1)
+    top = []
+    if k > 0:
+        values, ids = torch.topk(logprobs, k)
+        top = list(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token, float(logprobs[token]), top)

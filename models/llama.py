@@ -1,0 +1,104 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.kv_spec import FullAttentionSpec, KVCacheGroup
+from kernels.paged import ForwardContext
+from models.layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        bias = cfg.get("attention_bias", False)
+        h, d = cfg.hidden_size, self.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.scale = d**-0.5
+
+    def forward(self, x, cos, sin, ctx: ForwardContext):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = ctx.attention(self.layer_id, q, k, v, self.scale)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.mlp = LlamaMLP(
+            cfg.hidden_size, cfg.hf["intermediate_size"], cfg.get("mlp_bias", False)
+        )
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
+
+    def forward(self, x, cos, sin, ctx):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.get("rms_norm_eps", 1e-6))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.get("tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+        theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4)
+        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+        self.register_buffer(
+            "inv_freq", rope_inv_freq(cfg.head_dim, theta, scaling), persistent=False
+        )
+
+    @staticmethod
+    def kv_cache_groups(cfg: ModelConfig, dtype: str) -> list[KVCacheGroup]:
+        spec = FullAttentionSpec(cfg.num_kv_heads, cfg.head_dim, dtype)
+        return [KVCacheGroup(spec, tuple(range(cfg.num_layers)))]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, ctx)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
