@@ -22,9 +22,8 @@ ARCHITECTURES = {
 def model_class(cfg: ModelConfig) -> type[nn.Module]:
     target = ARCHITECTURES.get(cfg.architecture)
     if target is None:
-        raise ValueError(
-            f"architecture {cfg.architecture!r} is not supported; supported: {sorted(ARCHITECTURES)}"
-        )
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise ValueError(f"architecture {cfg.architecture!r} is not supported ({supported})")
     module, name = target.split(":")
     return getattr(importlib.import_module(module), name)
 
