@@ -27,6 +27,8 @@ class IncrementalDetokenizer:
         self.hold = max((len(s) for s in params.stop), default=1) - 1
 
     def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
         return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
 
     def add(self, token_ids: list[int]) -> str | None:

@@ -34,11 +34,14 @@ class LLMEngine:
         self.args = args
         path = resolve_model(args.model)
         self.model_config = ModelConfig.from_dir(path)
-        self.tokenizer = Tokenizer.from_dir(path)
+        # Random-weight test checkpoints may come without a tokenizer: token-id prompts only.
+        has_tokenizer = (path / "tokenizer.json").exists()
+        self.tokenizer = Tokenizer.from_dir(path) if has_tokenizer else None
         self.device = resolve_device(args.device)
         dtype = args.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
-        eos = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + self.model_config.eos_token_ids))
+        tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
+        eos = tuple(dict.fromkeys(tokenizer_eos + self.model_config.eos_token_ids))
         backend = get_backend(args.attention_backend or default_backend_name(self.device.type))
         self.runner = ModelRunner(self.model_config, dtype, self.device, backend, args.seed, eos)
         groups = self.runner.groups
