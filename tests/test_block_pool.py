@@ -1,0 +1,67 @@
+"""Block pool and KV manager invariants (pure Python)."""
+
+import pytest
+
+from engine.block_pool import BlockPool
+from engine.kv_manager import KVCacheManager
+from engine.kv_spec import FullAttentionSpec, KVCacheGroup, MLASpec, SlidingWindowSpec
+
+
+def test_pool_allocates_distinct_blocks_and_takes_them_back():
+    pool = BlockPool(8)
+    a, b = pool.allocate(3), pool.allocate(5)
+    assert len(set(a) | set(b)) == 8 and pool.num_free == 0
+    pool.check_integrity()
+    with pytest.raises(MemoryError):
+        pool.allocate(1)
+    pool.free(a)
+    pool.check_integrity()
+    assert pool.num_free == 3
+    pool.free(b)
+    assert pool.num_free == 8 and pool.usage == 0.0
+
+
+def test_pool_ref_counts_shared_blocks():
+    pool = BlockPool(4)
+    blocks = pool.allocate(2)
+    pool.incref(blocks)
+    pool.free(blocks)
+    assert pool.num_free == 2  # still held once
+    pool.free(blocks)
+    assert pool.num_free == 4
+    with pytest.raises(ValueError):
+        pool.free(blocks)
+    pool.check_integrity()
+
+
+def test_integrity_check_catches_a_corrupt_pool():
+    pool = BlockPool(4)
+    pool.allocate(1)
+    pool.ref_counts[3] = 1  # held but still listed free
+    with pytest.raises(AssertionError):
+        pool.check_integrity()
+
+
+def test_manager_is_all_or_nothing_and_ring_bounded():
+    groups = [
+        KVCacheGroup(SlidingWindowSpec(1, 8, window_size=32), (0, 1)),
+        KVCacheGroup(FullAttentionSpec(1, 8), (2,)),
+    ]
+    kv = KVCacheManager(groups, (10, 10), block_size=16)
+    tables = kv.new_tables()
+    with pytest.raises(MemoryError):
+        kv.allocate(tables, 200)
+    assert tables == [[], []] and kv.num_free_blocks == 20
+    kv.allocate(tables, 150)
+    assert [len(t) for t in tables] == [3, 10]
+    kv.check_integrity([tables])
+    kv.free(tables)
+    assert kv.num_free_blocks == 20
+    kv.check_integrity([])
+
+
+def test_bytes_per_token_per_layout():
+    assert FullAttentionSpec(3, 64, "float32").bytes_per_token == 2 * 3 * 64 * 4
+    assert MLASpec(512, 64, "bfloat16").bytes_per_token == 576 * 2
+    group = KVCacheGroup(FullAttentionSpec(3, 64, "bfloat16"), tuple(range(30)))
+    assert group.bytes_per_token == 30 * 2 * 3 * 64 * 2
