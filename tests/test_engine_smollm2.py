@@ -1,0 +1,117 @@
+"""The engine against transformers on the same converted SmolLM2 weights."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.detokenizer import IncrementalDetokenizer
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    " ".join(
+        f"Item {i}: the number {i * 7} is {'even' if i % 2 == 0 else 'odd'}." for i in range(40)
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_dir):
+    # A small token budget forces the long prompt through several prefill chunks while the
+    # others decode in the same steps.
+    return LLM(
+        str(smollm2_dir),
+        max_model_len=1024,
+        num_kv_blocks=160,
+        block_size=16,
+        max_num_batched_tokens=96,
+    )
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm2_dir):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_dir), dtype=torch.float32
+    ).eval()
+
+
+def test_concurrent_greedy_tokens_equal_transformers(llm, hf_model):
+    prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    assert len(prompt_ids[3]) > 3 * 96  # really chunked
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompt_ids, params)
+    for ids, out in zip(prompt_ids, outs):
+        with torch.no_grad():
+            ref = hf_model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=32,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        ref_ids = ref.sequences[0, len(ids) :].tolist()
+        assert out.outputs[0].token_ids == ref_ids
+        ref_logprobs = [
+            torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(ref.logits, ref_ids)
+        ]
+        ours = [lp.logprob for lp in out.outputs[0].logprobs]
+        assert max(abs(a - b) for a, b in zip(ours, ref_logprobs)) < 1e-3
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_total_blocks
+
+
+def test_chat_answer_is_sensible(llm):
+    ids = llm.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    out = llm.generate([ids], SamplingParams(max_tokens=24, temperature=0))[0].outputs[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"  # ended by <|im_end|>, which is not in the text
+    assert "<|im_end|>" not in out.text
+
+
+def test_stop_string_cuts_the_text_and_reports_itself(llm):
+    ids = llm.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    full = llm.generate([ids], SamplingParams(max_tokens=24, temperature=0))[0].outputs[0].text
+    stop = "Paris"
+    out = llm.generate([ids], SamplingParams(max_tokens=24, temperature=0, stop=[stop]))[0]
+    assert out.outputs[0].text == full[: full.index(stop)]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
+
+
+def test_seeded_sampling_repeats_and_differs_by_seed(llm):
+    ids = llm.tokenizer.encode("My favourite food is")
+    p = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    a, b = llm.generate([ids, ids], [p, p])
+    c = llm.generate([ids], replace(p, seed=99))[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert a.outputs[0].token_ids != c.outputs[0].token_ids
+
+
+def test_top_k_one_is_greedy(llm):
+    ids = llm.tokenizer.encode("The three primary colours are")
+    greedy = llm.generate([ids], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    top1 = llm.generate(
+        [ids], SamplingParams(max_tokens=12, temperature=0.8, top_k=1, seed=3, ignore_eos=True)
+    )
+    assert greedy[0].outputs[0].token_ids == top1[0].outputs[0].token_ids
+
+
+def test_incremental_detokenizer_never_emits_broken_utf8(smollm2_dir):
+    from models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(smollm2_dir)
+    text = "Prix: 12€ — naïve café 🚀🎉 你好世界  double  spaces\nend"
+    ids = tok.encode(text)
+    det = IncrementalDetokenizer(tok, SamplingParams())
+    pieces = []
+    for t in ids:
+        det.add([t])
+        pieces.append(det.take(finished=False))
+    det.flush()
+    pieces.append(det.take(finished=True))
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == tok.decode(ids) == text
