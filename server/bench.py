@@ -428,20 +428,29 @@ def _lengths(n: int, mean: int, ratio: float, rng: np.random.Generator) -> np.nd
 
 
 def _words(n_tokens: int, tokens_per_word: float, rng: np.random.Generator) -> str:
-    n_words = max(1, round(n_tokens / tokens_per_word))
+    n_words = max(1, round(max(n_tokens, 1) / tokens_per_word))
     return " ".join(rng.choice(WORDS, size=n_words))
 
 
-def synthetic_requests(config: BenchConfig, tokens_per_word: float = 1.0) -> list[BenchRequest]:
+@dataclass(frozen=True)
+class PromptCalibration:
+    tokens_per_word: float = 1.0
+    overhead_tokens: int = 0  # what the chat template adds around one user message
+
+
+def synthetic_requests(
+    config: BenchConfig, calibration: PromptCalibration = PromptCalibration()
+) -> list[BenchRequest]:
     """Random-word prompts, each different from its first word so prefix caching cannot help
     beyond the shared ``prefix_len`` tokens."""
     rng = np.random.default_rng([config.seed, 0])
+    tokens_per_word = calibration.tokens_per_word
     prefix = _words(config.prefix_len, tokens_per_word, rng) + " " if config.prefix_len else ""
     in_lens = _lengths(config.num_prompts, config.input_len, config.input_len_range, rng)
     out_lens = _lengths(config.num_prompts, config.output_len, config.output_len_range, rng)
     out = []
     for n_in, n_out in zip(in_lens, out_lens, strict=True):
-        text = prefix + _words(int(n_in), tokens_per_word, rng)
+        text = prefix + _words(int(n_in) - calibration.overhead_tokens, tokens_per_word, rng)
         est = config.prefix_len + int(n_in)
         if config.endpoint == "chat":
             msgs = [{"role": "user", "content": text}]
@@ -531,23 +540,38 @@ async def default_model(client: httpx.AsyncClient, base_url: str) -> str:
         raise BenchError(f"cannot list models at {url} ({e}); pass --model") from e
 
 
-async def tokens_per_word(client: httpx.AsyncClient, root_url: str, model: str) -> float | None:
-    """Ratio measured with the server's /tokenize (vLLM or llama.cpp shape), None without one."""
+async def calibrate_prompts(
+    client: httpx.AsyncClient, root_url: str, model: str, chat: bool
+) -> PromptCalibration | None:
+    """Measure prompt sizing with the server's /tokenize (vLLM's or llama.cpp's shape).
+
+    None when the server has no usable /tokenize; prompts then assume one token per word.
+    """
     n_words = 256
     text = " ".join(np.random.default_rng(0).choice(WORDS, size=n_words))
-    for body in ({"model": model, "prompt": text}, {"content": text}):
-        try:
-            resp = await client.post(root_url + "/tokenize", json=body, timeout=5.0)
-            if resp.status_code != 200:
-                continue
-            data = resp.json()
-            count = data.get("count") or len(data.get("tokens") or [])
-        except (httpx.HTTPError, ValueError, AttributeError, TypeError):
+    plain = await _count_tokens(client, root_url, {"model": model, "prompt": text})
+    if plain is None:
+        plain = await _count_tokens(client, root_url, {"content": text})
+    if plain is None or not 0.2 < plain / n_words < 5.0:
+        return None
+    overhead = 0
+    if chat:
+        messages = [{"role": "user", "content": text}]
+        templated = await _count_tokens(client, root_url, {"model": model, "messages": messages})
+        overhead = max(0, templated - plain) if templated is not None else 0
+    return PromptCalibration(plain / n_words, overhead)
+
+
+async def _count_tokens(client: httpx.AsyncClient, root_url: str, body: dict) -> int | None:
+    try:
+        resp = await client.post(root_url + "/tokenize", json=body, timeout=5.0)
+        if resp.status_code != 200:
             return None
-        ratio = count / n_words
-        if 0.2 < ratio < 5.0:
-            return ratio
-    return None
+        data = resp.json()
+        count = data.get("count")
+        return int(count) if count is not None else len(data["tokens"])
+    except (httpx.HTTPError, ValueError, AttributeError, KeyError, TypeError):
+        return None
 
 
 def _chunk_text(payload: dict[str, Any]) -> str:
@@ -711,10 +735,11 @@ async def run_benchmark(config: BenchConfig) -> BenchResult:
         if config.dataset is not None:
             requests = load_dataset(config)
         else:
-            ratio = None
+            calibration = None
             if config.calibrate:
-                ratio = await tokens_per_word(client, config.root_url, model)
-            requests = synthetic_requests(config, ratio or 1.0)
+                chat = config.endpoint == "chat"
+                calibration = await calibrate_prompts(client, config.root_url, model, chat)
+            requests = synthetic_requests(config, calibration or PromptCalibration())
         scraper = MetricsScraper(client, config.root_url + "/metrics", config.scrape_interval_s)
         await scraper.probe()
         started_at = datetime.now(timezone.utc).isoformat(timespec="milliseconds")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import socket
@@ -23,6 +24,7 @@ from server.bench import (
     SLO,
     BenchConfig,
     BenchError,
+    PromptCalibration,
     RequestRecord,
     arrival_times,
     is_loopback_url,
@@ -48,6 +50,7 @@ class Fake:
     fail_statuses: tuple[int, ...] = (429,)
     send_usage: bool = True
     tokens_per_word: int = 1  # its "tokenizer": whitespace words, each this many tokens
+    chat_overhead: int = 0  # tokens its "chat template" adds around the messages
     tokenize: bool = False  # expose /tokenize (vLLM's shape)
     bodies: list[dict[str, Any]] = field(default_factory=list)
     running: int = 0
@@ -56,9 +59,8 @@ class Fake:
 def _prompt_tokens(fake: Fake, body: dict[str, Any]) -> int:
     if "messages" in body:
         words = sum(len(m["content"].split()) for m in body["messages"])
-    else:
-        words = len(body["prompt"].split())
-    return words * fake.tokens_per_word
+        return words * fake.tokens_per_word + fake.chat_overhead
+    return len(body["prompt"].split()) * fake.tokens_per_word
 
 
 def fake_app(fake: Fake) -> FastAPI:
@@ -146,17 +148,17 @@ async def _stream(fake: Fake, chat: bool, n_out: int, usage: dict | None) -> Any
 
 
 @contextmanager
-def serve(fake: Fake) -> Iterator[str]:
-    """Run the fake on a free loopback port; yields its base URL (with /v1)."""
+def serve_app(app: FastAPI) -> Iterator[str]:
+    """Run ``app`` on a free loopback port; yields its base URL (with /v1)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(fake_app(fake), log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while not server.started:
-        assert time.monotonic() < deadline, "fake server did not start"
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.01)
     try:
         yield f"http://127.0.0.1:{port}/v1"
@@ -166,8 +168,12 @@ def serve(fake: Fake) -> Iterator[str]:
         sock.close()
 
 
+def serve(fake: Fake):
+    return serve_app(fake_app(fake))
+
+
 def bench(base_url: str, **overrides: Any):
-    config = BenchConfig(base_url=base_url, scrape_interval_s=0.05, **overrides)
+    config = BenchConfig(base_url=base_url, **{"scrape_interval_s": 0.05, **overrides})
     return asyncio.run(run_benchmark(config))
 
 
@@ -227,8 +233,11 @@ def test_synthetic_prompts_follow_length_ranges_and_differ():
     assert len({r.prompt for r in reqs}) == len(reqs)
     assert len({" ".join(r.prompt.split()[:10]) for r in reqs}) == 1
     assert reqs == synthetic_requests(config)
-    halved = synthetic_requests(config, tokens_per_word=2.0)
+    halved = synthetic_requests(config, PromptCalibration(tokens_per_word=2.0))
     assert all(30 <= len(r.prompt.split()) <= 80 for r in halved)
+    chat = dataclasses.replace(config, endpoint="chat", prefix_len=0, input_len_range=0.0)
+    templated = synthetic_requests(chat, PromptCalibration(overhead_tokens=30))
+    assert all(len(r.messages[0]["content"].split()) == 70 for r in templated)
 
 
 def _record(i: int, ttft: float, e2e: float, tokens: int, ok: bool = True) -> RequestRecord:
@@ -404,12 +413,15 @@ def test_duration_bound_cancels_what_still_runs():
 
 
 def test_tokenize_endpoint_calibrates_prompt_size():
-    with serve(Fake(tokens_per_word=2, tokenize=True)) as url:
+    with serve(Fake(tokens_per_word=2, chat_overhead=6, tokenize=True)) as url:
         calibrated = bench(url, num_prompts=3, input_len=40, output_len=2)
         blind = bench(url, num_prompts=3, input_len=40, output_len=2, calibrate=False)
+        chat = bench(url, num_prompts=3, input_len=40, output_len=2, endpoint="chat")
     # Two tokens per word: calibrated prompts shrink to 20 words, blind ones stay at 40 words.
     assert [r.prompt_tokens for r in calibrated.requests] == [40, 40, 40]
     assert [r.prompt_tokens for r in blind.requests] == [80, 80, 80]
+    # The template's tokens come out of the budget: 17 words, 34 tokens, + 6.
+    assert [r.prompt_tokens for r in chat.requests] == [40, 40, 40]
 
 
 def test_dataset_lines_drive_prompts_and_max_tokens(tmp_path):
@@ -483,3 +495,41 @@ def test_cli_prints_table_and_writes_json_and_plots(tmp_path, capsys):
     for name in ("latency.png", "timeline.png"):
         png = (plot_dir / name).read_bytes()
         assert png.startswith(b"\x89PNG") and len(png) > 10_000, name
+
+
+# --- against the real server --------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_real_server_completes_a_short_benchmark(smollm2_dir):
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineArgs
+    from server.app import build_app
+
+    args = EngineArgs(
+        model=str(smollm2_dir), device="cpu", max_model_len=256, num_kv_blocks=64, max_num_seqs=4
+    )
+    engine = AsyncEngine(args)
+    try:
+        app = build_app(engine, "smollm2")
+        with serve_app(app) as url:
+            result = bench(
+                url,
+                num_prompts=6,
+                max_concurrency=3,
+                input_len=32,
+                output_len=8,
+                scrape_interval_s=0.1,
+            )
+    finally:
+        engine.shutdown()
+    s = result.summary
+    assert result.model == "smollm2"
+    assert (s.completed, s.failed, s.cancelled) == (6, 0, 0), result.requests[0].error
+    for rec in result.requests:
+        assert rec.usage_reported and rec.output_tokens == 8 and len(rec.itl_s) >= 1
+        assert 24 <= rec.prompt_tokens <= 40  # sized by the server's /tokenize
+    if "/metrics" not in {getattr(route, "path", None) for route in app.routes}:
+        pytest.skip("the server exports no /metrics yet")
+    assert result.metrics.t_s and "num_requests_running" in result.metrics.values
+    assert max(v or 0 for v in result.metrics.values["num_requests_running"]) >= 1
