@@ -1,0 +1,300 @@
+"""DeepSeek-V3: multi-head latent attention (MLA) over a latent KV cache, and sigmoid-gated MoE.
+
+The cache holds, per token and layer, one row ``[kv_a_layernorm(c_kv), rope(k_pe)]``
+(kv_lora_rank + qk_rope_head_dim values) shared by all heads. Attention runs on that row
+directly, for prefill and decode alike, by absorbing ``kv_b_proj`` into the two ends::
+
+    kv_b_proj.weight [H * (nope + v), r] -> per head W_UK [nope, r], W_UV [v, r]
+    score  = q_nope . (W_UK c_kv) + q_pe . k_pe  = (W_UK^T q_nope) . c_kv + q_pe . k_pe
+    output = sum_j p_j W_UV c_kv_j               = W_UV (sum_j p_j c_kv_j)
+
+so the query is ``[W_UK^T q_nope, q_pe]`` (one KV head: MQA over latents), the value is the
+first kv_lora_rank columns of the same cache row, and W_UV is applied after attention.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.kv_spec import KVCacheGroup, MLASpec
+from kernels.paged import ForwardContext
+from models.layers import RMSNorm
+from models.loader import load_by_name
+
+# transformers builds q_a_layernorm / kv_a_layernorm with the default eps, not rms_norm_eps.
+LORA_NORM_EPS = 1e-6
+
+
+def rope_parameters(cfg: ModelConfig) -> dict:
+    """The rope settings under either spelling (transformers 5 ``rope_parameters``, or older
+    ``rope_theta`` + ``rope_scaling``), with ``rope_type`` and ``rope_theta`` always set."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    return params
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """inv_freq [qk_rope_head_dim / 2] and the factor cos/sin are scaled by, as transformers."""
+    params = rope_parameters(cfg)
+    dim, base = cfg.hf["qk_rope_head_dim"], params["rope_theta"]
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    if params["rope_type"] == "default":
+        return 1.0 / pos_freqs, 1.0
+    if params["rope_type"] != "yarn":
+        raise ValueError(f"unsupported rope type {params['rope_type']!r} for DeepSeek-V3")
+    original = params.get("original_max_position_embeddings", cfg.max_position_embeddings)
+    factor = params.get("factor") or cfg.max_position_embeddings / original
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = correction_dim(params.get("beta_fast") or 32)
+    high = correction_dim(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+    """qk_head_dim ** -0.5, times mscale(factor, mscale_all_dim) ** 2 under yarn."""
+    scale = (cfg.hf["qk_nope_head_dim"] + cfg.hf["qk_rope_head_dim"]) ** -0.5
+    params = rope_parameters(cfg)
+    if params["rope_type"] != "default" and params.get("mscale_all_dim"):
+        scale *= _yarn_mscale(params["factor"], params["mscale_all_dim"]) ** 2
+    return scale
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool):
+    """x [T, H, D]; cos/sin [T, D / 2]. Rotates pairs (x[2i], x[2i+1]) when ``interleave``
+    (DeepSeek's layout), else (x[i], x[i + D/2]); the result is in the half-split layout."""
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        hf = cfg.hf
+        self.layer_id = layer_id
+        self.num_heads = cfg.num_heads
+        self.q_lora_rank = hf.get("q_lora_rank")
+        self.kv_lora_rank = hf["kv_lora_rank"]
+        self.nope_dim, self.rope_dim = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
+        self.v_dim = hf["v_head_dim"]
+        self.interleave = hf.get("rope_interleave", True)
+        self.scale = softmax_scale(cfg)
+        h, bias = cfg.hidden_size, hf.get("attention_bias", False)
+        q_out = self.num_heads * (self.nope_dim + self.rope_dim)
+        if self.q_lora_rank:
+            self.q_a_proj = nn.Linear(h, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LORA_NORM_EPS)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, q_out, bias=False)
+        else:
+            self.q_proj = nn.Linear(h, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LORA_NORM_EPS)
+        self.kv_b_proj = nn.Linear(
+            self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False
+        )
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=bias)
+
+    def forward(self, x, cos, sin, ctx: ForwardContext):
+        t, r = x.shape[0], self.kv_lora_rank
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q_nope, q_pe = q.view(t, self.num_heads, -1).split([self.nope_dim, self.rope_dim], -1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([r, self.rope_dim], -1)
+        q_pe = apply_rope(q_pe, cos, sin, self.interleave)
+        k_pe = apply_rope(k_pe[:, None, :], cos, sin, self.interleave)
+        w_uk, w_uv = self.kv_b_proj.weight.view(self.num_heads, -1, r).split(
+            [self.nope_dim, self.v_dim], dim=1
+        )
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        query = torch.cat([q_latent, q_pe], dim=-1)
+        key = torch.cat([self.kv_a_layernorm(c_kv)[:, None, :], k_pe], dim=-1)
+        # The value is a view of the key row, so the cache stores each latent once.
+        latent_out = ctx.attention(self.layer_id, query, key, key[..., :r], self.scale)
+        out = torch.einsum("thr,hvr->thv", latent_out, w_uv)
+        return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TopkRouter(nn.Module):
+    """Sigmoid scores; experts are chosen on score + bias within the best groups, but weighted
+    by the score alone (auxiliary-loss-free balancing)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hf = cfg.hf
+        self.num_experts = hf["n_routed_experts"]
+        self.top_k = hf["num_experts_per_tok"]
+        self.num_groups = hf.get("n_group") or 1
+        self.topk_groups = hf.get("topk_group") or 1
+        self.norm_topk_prob = hf.get("norm_topk_prob", True)
+        self.routed_scaling_factor = hf.get("routed_scaling_factor", 1.0)
+        self.weight = nn.Parameter(torch.zeros(self.num_experts, cfg.hidden_size))
+        # Kept in fp32 at any model dtype, as transformers does: the bias decides close calls.
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(self.num_experts, dtype=torch.float32), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> fp32 weights [T, top_k], expert ids [T, top_k]."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        grouped = choice.view(-1, self.num_groups, self.num_experts // self.num_groups)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        best_groups = group_scores.topk(self.topk_groups, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool)
+        group_mask.scatter_(1, best_groups, True)
+        expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(-1, self.num_experts)
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hf = cfg.hf
+        inter = hf["moe_intermediate_size"]
+        self.gate = TopkRouter(cfg)
+        self.experts = nn.ModuleList(
+            MLP(cfg.hidden_size, inter) for _ in range(hf["n_routed_experts"])
+        )
+        shared = hf.get("n_shared_experts") or 0
+        self.shared_experts = MLP(cfg.hidden_size, inter * shared) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            token, slot = torch.where(ids == e)
+            y = self.experts[e](x[token]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(x.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.self_attn = MLAAttention(cfg, layer_id)
+        if layer_id >= cfg.get("first_k_dense_replace", 0):
+            self.mlp = MoE(cfg)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.hf["intermediate_size"])
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
+
+    def forward(self, x, cos, sin, ctx):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.get("rms_norm_eps", 1e-6))
+
+
+def _check_supported(cfg: ModelConfig) -> None:
+    expected = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
+    for key, value in expected.items():
+        if cfg.get(key, value) != value:
+            raise ValueError(f"DeepSeek-V3 {key}={cfg.get(key)!r} is not supported ({value!r})")
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        _check_supported(cfg)
+        self.config = cfg
+        self.model = DeepseekV3Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.get("tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+        inv_freq, self.rope_attention_factor = rope_frequencies(cfg)
+        self.register_buffer("inv_freq", inv_freq.to(torch.float32), persistent=False)
+
+    @staticmethod
+    def kv_cache_groups(cfg: ModelConfig, dtype: str) -> list[KVCacheGroup]:
+        spec = MLASpec(cfg.hf["kv_lora_rank"], cfg.hf["qk_rope_head_dim"], dtype)
+        return [KVCacheGroup(spec, tuple(range(cfg.num_layers)))]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
+        x = self.model.embed_tokens(input_ids)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        cos = (freqs.cos() * self.rope_attention_factor).to(x.dtype)
+        sin = (freqs.sin() * self.rope_attention_factor).to(x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, ctx)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights) -> None:
+        num_layers = self.config.num_layers
+        layer_re = re.compile(r"model\.layers\.(\d+)\.")
+
+        def kept():
+            for name, tensor in weights:
+                if name.endswith("weight_scale_inv"):
+                    raise ValueError(f"{name}: FP8 block-quantized checkpoints are not supported")
+                m = layer_re.match(name)
+                # Layers past num_hidden_layers are multi-token-prediction modules, unused here.
+                if m and int(m.group(1)) >= num_layers:
+                    continue
+                yield name, tensor
+
+        load_by_name(self, kept())

@@ -1,0 +1,159 @@
+"""DeepSeek-V3 (MLA + MoE) through the engine against transformers on the same random weights."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.kv_spec import MLASpec
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    first_k_dense_replace=1,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    routed_scaling_factor=2.5,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    max_position_embeddings=256,
+    # Larger than the default 0.02 so attention and routing are far from uniform.
+    initializer_range=0.2,
+)
+MAX_TOKENS = 32
+TOL = 1e-4
+
+
+def make_checkpoint(path, **overrides):
+    """A random fp32 DeepseekV3ForCausalLM saved to ``path``; returns the transformers model."""
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(**{**TINY, **overrides})
+    model = transformers.DeepseekV3ForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for layer in model.model.layers[config.first_k_dense_replace :]:
+            # A non-zero bias changes which experts are chosen but not their weights.
+            layer.mlp.gate.e_score_correction_bias.uniform_(-0.3, 0.3)
+    model.save_pretrained(path)
+    return model
+
+
+def engine(path, **kw) -> LLM:
+    args = dict(max_model_len=192, num_kv_blocks=48, block_size=16, device="cpu")
+    return LLM(str(path), dtype="float32", **{**args, **kw})
+
+
+def generate_with_logits(llm: LLM, prompts: list[list[int]], monkeypatch):
+    """Greedy generation; returns per prompt (token ids, the logits each token was sampled from)."""
+    seen = defaultdict(list)
+    sample = llm.engine.runner.sampler.sample
+
+    def recording_sample(logits, request_ids, *args):
+        for rid, row in zip(request_ids, logits):
+            seen[rid].append(row.detach().float().clone())
+        return sample(logits, request_ids, *args)
+
+    monkeypatch.setattr(llm.engine.runner.sampler, "sample", recording_sample)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    return [(o.outputs[0].token_ids, torch.stack(seen[o.request_id])) for o in outs]
+
+
+def reference_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """transformers' logits for the positions that produced ``tokens`` (teacher-forced)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0]
+    return logits[len(prompt) - 1 :]
+
+
+def assert_matches_reference(model, prompts, results) -> float:
+    worst = 0.0
+    for prompt, (tokens, logits) in zip(prompts, results):
+        assert len(tokens) == MAX_TOKENS
+        ref = reference_logits(model, prompt, tokens)
+        assert logits.shape == ref.shape
+        worst = max(worst, (logits - ref).abs().max().item())
+        assert tokens == ref.argmax(dim=-1).tolist()
+    assert worst < TOL
+    return worst
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, TINY["vocab_size"], (length,), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("deepseek_v3")
+    return path, make_checkpoint(path)
+
+
+def test_logits_and_greedy_tokens_match_transformers(checkpoint, monkeypatch):
+    path, model = checkpoint
+    prompts = [prompt_of(20, 1)]
+    assert_matches_reference(
+        model, prompts, generate_with_logits(engine(path), prompts, monkeypatch)
+    )
+
+
+def test_chunked_prefill_matches_transformers(checkpoint, monkeypatch):
+    path, model = checkpoint
+    prompts = [prompt_of(45, 2)]
+    llm = engine(path, max_num_batched_tokens=16)
+    assert_matches_reference(model, prompts, generate_with_logits(llm, prompts, monkeypatch))
+
+
+def test_concurrent_prompts_of_different_lengths_match_transformers(checkpoint, monkeypatch):
+    path, model = checkpoint
+    # Lengths around block boundaries; a small budget mixes decodes with prefill chunks.
+    prompts = [prompt_of(n, 10 + n) for n in (1, 15, 17, 33, 50)]
+    llm = engine(path, max_num_batched_tokens=24)
+    assert_matches_reference(model, prompts, generate_with_logits(llm, prompts, monkeypatch))
+
+
+def test_yarn_rope_without_q_lora_or_interleave_matches_transformers(tmp_path, monkeypatch):
+    yarn = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.7,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    }
+    model = make_checkpoint(tmp_path, q_lora_rank=None, rope_interleave=False, rope_parameters=yarn)
+    prompts = [prompt_of(40, 3), prompt_of(9, 4)]  # runs past original_max_position_embeddings
+    results = generate_with_logits(engine(tmp_path), prompts, monkeypatch)
+    assert_matches_reference(model, prompts, results)
+
+
+def test_cache_holds_one_latent_row_per_token_and_layer(checkpoint):
+    path, _ = checkpoint
+    llm = engine(path, num_kv_blocks=8)
+    runner = llm.engine.runner
+    (group,) = runner.groups
+    row = TINY["kv_lora_rank"] + TINY["qk_rope_head_dim"]
+    assert group.spec == MLASpec(TINY["kv_lora_rank"], TINY["qk_rope_head_dim"], "float32")
+    assert group.bytes_per_token == TINY["num_hidden_layers"] * row * 4
+    assert len(runner.kv_caches) == TINY["num_hidden_layers"]
+    for k_cache, v_cache in runner.kv_caches:
+        assert k_cache.shape == (8, 16, 1, row)
+        assert v_cache.shape == (8, 16, 1, TINY["kv_lora_rank"])
+        assert v_cache.data_ptr() == k_cache.data_ptr()  # the value is a view of the key row
