@@ -1,0 +1,192 @@
+"""Gemma 3 text decoder: interleaved sliding-window (local) and full (global) attention layers.
+
+Differences from Llama, as transformers' ``Gemma3ForCausalLM`` has them: embeddings scaled by
+sqrt(hidden) in the model dtype; RMSNorm weights stored as w - 1; RMSNorm on q and k per head;
+norms before *and* after attention and the MLP; GELU-tanh MLP; scores scaled by
+``query_pre_attn_scalar ** -0.5``; rope base per layer kind; tied embeddings; optional final
+logit softcapping. Local layers keep their K/V in a ring (``SlidingWindowSpec``) whose window
+counts the current token, as transformers' mask ``kv_idx > q_idx - sliding_window`` does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.kv_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
+from kernels.paged import ForwardContext
+from models.layers import RMSNorm, apply_rope, rope_cos_sin
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+def layer_types(cfg: ModelConfig) -> list[str]:
+    types = cfg.get("layer_types")
+    if types:
+        return list(types)
+    # Older configs give only the period: every `pattern`-th layer is global.
+    pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+    return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(cfg.num_layers)]
+
+
+def rope_parameters(cfg: ModelConfig) -> dict[str, dict]:
+    """Rope settings per layer kind, from transformers 5's nested ``rope_parameters`` or from the
+    flat keys of older configs (``rope_theta``, ``rope_local_base_freq``, ``rope_scaling``)."""
+    params = cfg.get("rope_parameters") or {}
+    if FULL in params or SLIDING in params:
+        full, local = dict(params.get(FULL) or {}), dict(params.get(SLIDING) or {})
+    else:
+        full = {**(cfg.get("rope_scaling") or {}), **params}
+        local = {}
+    full.setdefault("rope_theta", cfg.get("rope_theta") or 1_000_000.0)
+    local.setdefault("rope_theta", cfg.get("rope_local_base_freq") or 10_000.0)
+    return {FULL: full, SLIDING: local}
+
+
+def gemma_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
+    # float32 throughout, as transformers computes it: at positions in the thousands a
+    # float64-derived table rotates keys by a visibly different angle.
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "linear":
+        return inv_freq / params["factor"]
+    if kind not in ("default", None):
+        raise ValueError(f"unsupported rope type {kind!r} for Gemma 3")
+    return inv_freq
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        bias = cfg.get("attention_bias", False)
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        h, d = cfg.hidden_size, self.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.q_norm = RMSNorm(d, eps, offset=1.0)
+        self.k_norm = RMSNorm(d, eps, offset=1.0)
+        self.scale = cfg.get("query_pre_attn_scalar", d) ** -0.5
+
+    def forward(self, x, cos, sin, ctx: ForwardContext):
+        t = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = ctx.attention(self.layer_id, q, k, v, self.scale)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, kind: str):
+        super().__init__()
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        h = cfg.hidden_size
+        self.kind = kind
+        self.self_attn = Gemma3Attention(cfg, layer_id)
+        self.mlp = Gemma3MLP(h, cfg.hf["intermediate_size"])
+        self.input_layernorm = RMSNorm(h, eps, offset=1.0)
+        self.post_attention_layernorm = RMSNorm(h, eps, offset=1.0)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps, offset=1.0)
+        self.post_feedforward_layernorm = RMSNorm(h, eps, offset=1.0)
+
+    def forward(self, x, cos, sin, ctx):
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        x = x + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(mlp)
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, kinds: list[str]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(cfg, i, kind) for i, kind in enumerate(kinds)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.get("rms_norm_eps", 1e-6), offset=1.0)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.get("attn_logit_softcapping") is not None:
+            raise ValueError(
+                "attention logit softcapping is not supported by the attention kernels"
+            )
+        self.config = cfg
+        kinds = layer_types(cfg)
+        self.model = Gemma3Model(cfg, kinds)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.get("tie_word_embeddings", True):
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.embed_scale = math.sqrt(cfg.hidden_size)
+        self.final_softcap = cfg.get("final_logit_softcapping")
+        rope = rope_parameters(cfg)
+        for kind in (FULL, SLIDING):
+            self.register_buffer(
+                f"{kind}_inv_freq", gemma_inv_freq(cfg.head_dim, rope[kind]), persistent=False
+            )
+
+    @staticmethod
+    def kv_cache_groups(cfg: ModelConfig, dtype: str) -> list[KVCacheGroup]:
+        kinds = layer_types(cfg)
+        local = tuple(i for i, kind in enumerate(kinds) if kind == SLIDING)
+        full = tuple(i for i, kind in enumerate(kinds) if kind != SLIDING)
+        groups = []
+        if local:
+            window = cfg.get("sliding_window")
+            if not window:
+                raise ValueError("Gemma 3 config has sliding layers but no sliding_window")
+            spec = SlidingWindowSpec(cfg.num_kv_heads, cfg.head_dim, dtype, window_size=window)
+            groups.append(KVCacheGroup(spec, local))
+        if full:
+            spec = FullAttentionSpec(cfg.num_kv_heads, cfg.head_dim, dtype)
+            groups.append(KVCacheGroup(spec, full))
+        return groups
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
+        x = self.model.embed_tokens(input_ids)
+        # Rounded through fp32 to the model dtype, as the reference does (bf16: sqrt(640) -> 25.25).
+        scale = torch.tensor(self.embed_scale, dtype=torch.float32, device=x.device)
+        x = x * scale.to(x.dtype)
+        rope = {
+            kind: rope_cos_sin(positions, getattr(self, f"{kind}_inv_freq"), x.dtype)
+            for kind in (FULL, SLIDING)
+        }
+        for layer in self.model.layers:
+            cos, sin = rope[SLIDING if layer.kind == SLIDING else FULL]
+            x = layer(x, cos, sin, ctx)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.final_softcap is not None:
+            cap = self.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
