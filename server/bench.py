@@ -110,7 +110,9 @@ class BenchConfig:
     dataset: str | None = None  # JSONL with "prompt" or "messages", optional "max_tokens"
     ignore_eos: bool = True
     temperature: float = 0.0
-    extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request body
+    # Merged into every request body (per-request policy overrides, sampling knobs); left out
+    # of the hash so configs stay usable as dict keys in a sweep.
+    extra_body: dict[str, Any] = field(default_factory=dict, hash=False)
     slo: SLO = SLO()
     scrape_interval_s: float = 0.5  # 0 turns /metrics scraping off
     request_timeout_s: float = 300.0
@@ -357,7 +359,10 @@ class BenchResult:
         """Plain JSON-safe data (non-finite floats become None)."""
         return _json_safe(
             {
-                "config": dataclasses.asdict(self.config),
+                "config": {
+                    **dataclasses.asdict(self.config),
+                    "api_key": "***" if self.config.api_key else None,
+                },
                 "model": self.model,
                 "started_at": self.started_at,
                 "summary": dataclasses.asdict(self.summary),

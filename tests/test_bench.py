@@ -53,6 +53,7 @@ class Fake:
     chat_overhead: int = 0  # tokens its "chat template" adds around the messages
     tokenize: bool = False  # expose /tokenize (vLLM's shape)
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    auth: set[str | None] = field(default_factory=set)
     running: int = 0
 
 
@@ -95,6 +96,7 @@ def fake_app(fake: Fake) -> FastAPI:
     async def generate(request: Request, chat: bool) -> Any:
         body = await request.json()
         fake.bodies.append(body)
+        fake.auth.add(request.headers.get("authorization"))
         n = len(fake.bodies)
         if fake.fail_every and n % fake.fail_every == 0:
             status = fake.fail_statuses[(n // fake.fail_every - 1) % len(fake.fail_statuses)]
@@ -455,7 +457,8 @@ def _strict_json(text: str) -> Any:
 
 def test_cli_prints_table_and_writes_json_and_plots(tmp_path, capsys):
     out_json, plot_dir = tmp_path / "run" / "result.json", tmp_path / "plots"
-    with serve(Fake()) as url:
+    fake = Fake()
+    with serve(fake) as url:
         code = main(
             [
                 "--base-url",
@@ -477,9 +480,11 @@ def test_cli_prints_table_and_writes_json_and_plots(tmp_path, capsys):
                 "--plot-dir",
                 str(plot_dir),
                 "--no-progress",
+                "--api-key",
+                "sk-test",
             ]
         )
-    assert code == 0
+    assert code == 0 and fake.auth == {"Bearer sk-test"}
     stdout = capsys.readouterr().out
     assert "Serving Benchmark Result" in stdout and "P99 TTFT (ms):" in stdout
     assert "Request goodput (req/s):" in stdout
@@ -487,6 +492,7 @@ def test_cli_prints_table_and_writes_json_and_plots(tmp_path, capsys):
     data = _strict_json(out_json.read_text())
     assert set(data) == {"config", "model", "started_at", "summary", "requests", "metrics"}
     assert data["config"]["request_rate"] is None  # unlimited, not Infinity
+    assert data["config"]["api_key"] == "***"
     assert data["summary"]["completed"] == 8 and len(data["requests"]) == 8
     assert data["summary"]["ttft"]["p99_ms"] > 0
     assert data["requests"][0]["output_tokens"] == 6 and len(data["requests"][0]["itl_s"]) == 5
