@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
@@ -52,6 +51,7 @@ from server.protocol import (
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
+    from models.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.server")
 
@@ -213,24 +213,33 @@ class OpenAIServer:
 
     # -- prompts --
 
-    def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+    def tokenizer(self, param: str) -> Tokenizer:
         tok = self.engine.tokenizer
+        if tok is None:
+            message = "This model has no tokenizer; send prompts as token ids."
+            raise RequestError(message, param=param)
+        return tok
+
+    def chat_prompt(
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True
+    ) -> list[int]:
+        tok = self.tokenizer("messages")
         if not tok.has_chat_template:
-            raise RequestError(
-                "This model has no chat template; use /v1/completions.", param="messages"
-            )
+            message = "This model has no chat template; use /v1/completions."
+            raise RequestError(message, param="messages")
         try:
-            return tok.encode_chat([m.as_template_input() for m in messages])
-        except jinja2.TemplateError as e:
-            raise RequestError(f"The chat template refused the messages: {e}", "messages") from e
+            return tok.encode_chat([m.as_template_input() for m in messages], add_generation_prompt)
+        except ValueError as e:  # the template's own checks, e.g. roles out of order
+            raise RequestError(str(e), param="messages") from e
 
     def text_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return self.engine.tokenizer.encode(prompt)
+            return self.tokenizer("prompt").encode(prompt)
         return list(prompt)
 
     def token_text(self, token_id: int) -> str:
-        return self.engine.tokenizer.token_str(token_id)
+        tok = self.engine.tokenizer
+        return tok.token_str(token_id) if tok is not None else f"token_id:{token_id}"
 
     # -- generation --
 
@@ -470,17 +479,11 @@ class OpenAIServer:
 
     def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         self.check_model(req.model)
-        tok = self.engine.tokenizer
         if req.messages is not None:
-            if req.add_generation_prompt and not req.add_special_tokens:
-                ids = self.chat_prompt(req.messages)
-            else:
-                messages = [m.as_template_input() for m in req.messages]
-                text = tok.apply_chat_template(messages, req.add_generation_prompt)
-                ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+            # The ids exactly as the chat endpoint would see them.
+            ids = self.chat_prompt(req.messages, req.add_generation_prompt)
         else:
-            add_special = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = tok.encode(req.prompt, add_special_tokens=add_special)
+            ids = self.tokenizer("prompt").encode(req.prompt, req.add_special_tokens)
         strs = [self.token_text(t) for t in ids] if req.return_token_strs else None
         return TokenizeResponse(
             tokens=ids, count=len(ids), max_model_len=self.engine.max_model_len, token_strs=strs
@@ -488,11 +491,12 @@ class OpenAIServer:
 
     def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(req.model)
-        vocab = self.engine.tokenizer.vocab_size
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        tok = self.tokenizer("tokens")
+        bad = [t for t in req.tokens if not 0 <= t < tok.vocab_size]
         if bad:
-            raise RequestError(f"Token ids must be in [0, {vocab}); got {bad[0]}.", "tokens")
-        return DetokenizeResponse(prompt=self.engine.tokenizer.decode(req.tokens))
+            message = f"Token ids must be in [0, {tok.vocab_size}); got {bad[0]}."
+            raise RequestError(message, param="tokens")
+        return DetokenizeResponse(prompt=tok.decode(req.tokens))
 
     def models(self) -> ModelList:
         card = ModelCard(

@@ -91,7 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_pass_through(name: str, argv: list[str]) -> int | None:
     module_name, func = PASS_THROUGH[name][0].split(":")
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name:
+            raise
+        sys.exit(f"kvserve: `{name}` is not available in this install ({module_name} is missing)")
     return getattr(module, func)(argv)
 
 

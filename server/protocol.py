@@ -235,7 +235,7 @@ class TokenizeRequest(OpenAIBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None
+    add_special_tokens: bool = True  # for `prompt`; a chat template writes its own
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 

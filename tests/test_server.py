@@ -1,0 +1,332 @@
+"""The HTTP server on a real uvicorn with the real engine and model, driven by the openai client."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from engine.config import EngineArgs
+
+SERVED_NAME = "smollm2"
+MAX_MODEL_LEN = 512
+NUM_KV_BLOCKS = 128
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@contextlib.contextmanager
+def serve_in_thread(app) -> Iterator[str]:
+    """Runs ``app`` on uvicorn in a background thread; yields its base URL."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+@contextlib.contextmanager
+def real_server(model_dir) -> Iterator[tuple[object, str]]:
+    """The real engine with small settings behind a served app: (engine, base URL)."""
+    from engine.async_engine import AsyncEngine
+    from server.app import build_app
+
+    args = EngineArgs(
+        model=str(model_dir),
+        device="cpu",
+        max_model_len=MAX_MODEL_LEN,
+        num_kv_blocks=NUM_KV_BLOCKS,
+        max_num_seqs=8,
+        max_num_batched_tokens=1024,
+    )
+    engine = AsyncEngine(args)
+    try:
+        with serve_in_thread(build_app(engine, SERVED_NAME)) as url:
+            yield engine, url
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_dir):
+    with real_server(smollm2_dir) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    import openai
+
+    _, url = served
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def tokenize(url: str, **body) -> list[int]:
+    r = httpx.post(f"{url}/tokenize", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+# ---- chat ----
+
+
+@pytest.mark.slow
+def test_greedy_chat_answers_paris_and_counts_usage(client, served):
+    _, url = served
+    r = client.chat.completions.create(
+        model=SERVED_NAME, messages=CHAT, temperature=0, max_tokens=24
+    )
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+    assert r.model == SERVED_NAME and r.created > 0
+    choice = r.choices[0]
+    assert choice.message.role == "assistant"
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == len(tokenize(url, messages=CHAT))
+    assert 0 < r.usage.completion_tokens <= 24
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+@pytest.mark.slow
+def test_chat_stream_matches_non_stream_and_reports_usage(client):
+    kwargs = dict(model=SERVED_NAME, messages=CHAT, temperature=0, max_tokens=12)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(
+        client.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.id == chunks[0].id and c.object == "chat.completion.chunk" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason
+    assert all(f is None for f in finishes[:-1])
+    last = chunks[-1]
+    assert last.choices == [] and last.usage == whole.usage
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+@pytest.mark.slow
+def test_chat_n2_gives_two_choices(client):
+    r = client.chat.completions.create(
+        model=SERVED_NAME, messages=CHAT, temperature=1.0, seed=7, max_tokens=8, n=2
+    )
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert all(c.message.content and c.finish_reason for c in r.choices)
+    assert 2 <= r.usage.completion_tokens <= 16
+
+
+@pytest.mark.slow
+def test_chat_n2_stream_ends_every_choice(client):
+    chunks = list(
+        client.chat.completions.create(
+            model=SERVED_NAME, messages=CHAT, max_tokens=6, n=2, seed=3, stream=True
+        )
+    )
+    roles = {c.choices[0].index for c in chunks if c.choices[0].delta.role == "assistant"}
+    ends = {c.choices[0].index: c.choices[0].finish_reason for c in chunks}
+    assert roles == {0, 1}
+    assert set(ends) == {0, 1} and all(ends.values())
+
+
+@pytest.mark.slow
+def test_seed_makes_sampling_reproducible(client):
+    def sample(seed: int) -> str:
+        r = client.chat.completions.create(
+            model=SERVED_NAME, messages=CHAT, temperature=1.0, seed=seed, max_tokens=12
+        )
+        return r.choices[0].message.content
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert sample(99) != first
+
+
+@pytest.mark.slow
+def test_chat_logprobs_are_the_greedy_choice(client):
+    r = client.chat.completions.create(
+        model=SERVED_NAME, messages=CHAT, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        best = entry.top_logprobs[0]
+        assert best.token == entry.token
+        assert math.isclose(best.logprob, entry.logprob, abs_tol=1e-4)
+        assert [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
+        assert entry.bytes == list(entry.token.encode())
+    # The tokens may end with an end-of-turn token that the text leaves out.
+    assert "".join(e.token for e in content).startswith(r.choices[0].message.content)
+
+
+@pytest.mark.slow
+def test_stop_string_ends_the_answer_before_it(client):
+    kwargs = dict(model=SERVED_NAME, messages=CHAT, temperature=0, max_tokens=24)
+    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    words = full.split()
+    assert len(words) >= 3, full
+    stop = words[2]
+    cut = full.index(stop)
+    r = client.chat.completions.create(**kwargs, stop=[stop, "zzzz-never"])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == full[:cut]
+    assert stop not in r.choices[0].message.content
+
+
+# ---- completions ----
+
+
+PROMPT = "The quick brown fox"
+
+
+@pytest.mark.slow
+def test_completion_counts_tokens_and_honours_max_tokens(client, served):
+    _, url = served
+    r = client.completions.create(
+        model=SERVED_NAME,
+        prompt=PROMPT,
+        temperature=0,
+        max_tokens=8,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.id.startswith("cmpl-") and r.object == "text_completion"
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 8
+    assert r.usage.prompt_tokens == len(tokenize(url, prompt=PROMPT))
+
+
+@pytest.mark.slow
+def test_completion_defaults_to_16_tokens(client):
+    r = client.completions.create(
+        model=SERVED_NAME, prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r.usage.completion_tokens == 16
+
+
+@pytest.mark.slow
+def test_completion_stream_matches_non_stream(client):
+    kwargs = dict(model=SERVED_NAME, prompt=PROMPT, temperature=0, max_tokens=10)
+    whole = client.completions.create(**kwargs)
+    chunks = list(
+        client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+@pytest.mark.slow
+def test_completion_batch_and_token_prompts_match_single_prompts(client, served):
+    _, url = served
+    prompts = [PROMPT, "Once upon a time"]
+    kwargs = dict(model=SERVED_NAME, temperature=0, max_tokens=6)
+    singles = [client.completions.create(prompt=p, **kwargs).choices[0].text for p in prompts]
+    batch = client.completions.create(prompt=prompts, **kwargs)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert [c.text for c in batch.choices] == singles
+    by_ids = client.completions.create(prompt=tokenize(url, prompt=prompts[1]), **kwargs)
+    assert by_ids.choices[0].text == singles[1]
+
+
+@pytest.mark.slow
+def test_completion_n2_stream_with_seed(client):
+    kwargs = dict(model=SERVED_NAME, prompt=PROMPT, max_tokens=6, n=2, seed=11)
+    whole = client.completions.create(**kwargs)
+    texts = {0: "", 1: ""}
+    for chunk in client.completions.create(**kwargs, stream=True):
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == {c.index: c.text for c in whole.choices}
+
+
+@pytest.mark.slow
+def test_completion_logprobs_legacy_format(client):
+    r = client.completions.create(
+        model=SERVED_NAME, prompt=PROMPT, temperature=0, max_tokens=6, logprobs=2
+    )
+    lp = r.choices[0].logprobs
+    n = r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and 1 <= len(top) <= 3
+        assert math.isclose(max(top.values()), logprob, abs_tol=1e-4)
+        assert math.isclose(top[token], logprob, abs_tol=1e-4)
+    assert "".join(lp.tokens).startswith(r.choices[0].text)
+
+
+# ---- the rest of the surface ----
+
+
+@pytest.mark.slow
+def test_models_health_and_tokenizer_endpoints(client, served):
+    _, url = served
+    models = client.models.list()
+    assert [m.id for m in models.data] == [SERVED_NAME]
+    assert httpx.get(f"{url}/health").status_code == 200
+    r = httpx.post(f"{url}/tokenize", json={"model": SERVED_NAME, "prompt": PROMPT}).json()
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == MAX_MODEL_LEN
+    back = httpx.post(f"{url}/detokenize", json={"tokens": r["tokens"]}).json()
+    assert back["prompt"] == PROMPT
+
+
+# ---- the command line ----
+
+
+def test_serve_flags_build_engine_args():
+    from server.cli import build_parser, engine_args_from
+
+    argv = ["serve", "--model", "m", "--max-model-len", "512", "--kv-cache-memory", "0.5"]
+    argv += ["--attention-backend", "torch", "--seed", "3", "--served-model-name", "x"]
+    ns = build_parser().parse_args(argv)
+    args = engine_args_from(ns)
+    assert args == EngineArgs(
+        model="m", max_model_len=512, kv_cache_memory_gib=0.5, attention_backend="torch", seed=3
+    )
+    assert (ns.host, ns.port, ns.served_model_name) == ("127.0.0.1", 8000, "x")
+
+
+def test_serve_rejects_two_kv_sizes_and_bad_engine_values(capsys):
+    from server.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", "m", "--num-kv-blocks", "8", "--kv-cache-memory", "1"])
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", "m", "--block-size", "3"])
+    assert "block_size" in capsys.readouterr().err
+
+
+def test_pass_through_subcommands_get_their_own_argv(monkeypatch):
+    import server.cli as cli
+
+    seen = []
+    fake = SimpleNamespace(main=lambda argv: seen.append(argv) or 0)
+    monkeypatch.setitem(sys.modules, "fake_bench", fake)
+    monkeypatch.setitem(cli.PASS_THROUGH, "bench", ("fake_bench:main", ""))
+    assert cli.main(["bench", "--num-prompts", "3", "--help"]) == 0
+    assert seen == [["--num-prompts", "3", "--help"]]
