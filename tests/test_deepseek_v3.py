@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.config import ModelConfig
 from engine.kv_spec import MLASpec
+from models.deepseek_v3 import rope_frequencies, softmax_scale
 
 transformers = pytest.importorskip("transformers")
 
@@ -157,3 +160,37 @@ def test_cache_holds_one_latent_row_per_token_and_layer(checkpoint):
         assert k_cache.shape == (8, 16, 1, row)
         assert v_cache.shape == (8, 16, 1, TINY["kv_lora_rank"])
         assert v_cache.data_ptr() == k_cache.data_ptr()  # the value is a view of the key row
+
+
+def test_yarn_frequencies_and_scale_of_a_v3_config_equal_transformers(tmp_path):
+    # DeepSeek-V3's own config.json spells rope as rope_theta + rope_scaling with "type".
+    hf_fields = {
+        "rope_theta": 10000,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        "max_position_embeddings": 163840,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+    }
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["DeepseekV3ForCausalLM"], **hf_fields})
+    )
+    ours = ModelConfig.from_dir(tmp_path)
+    config = transformers.DeepseekV3Config(**hf_fields)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    inv_freq, factor = rope_frequencies(ours)
+    ref_inv_freq, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    assert torch.equal(inv_freq, ref_inv_freq)
+    assert factor == ref_factor
+    ref_scale = yarn_apply_mscale(config.rope_parameters, config.qk_head_dim**-0.5)
+    assert softmax_scale(ours) == pytest.approx(ref_scale, rel=1e-12)
+    assert softmax_scale(ours) > 1.8 * 192**-0.5  # mscale(40) ** 2 ~ 1.87
