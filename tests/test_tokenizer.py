@@ -1,0 +1,206 @@
+"""The runtime tokenizer against transformers' own GGUF tokenizers and chat templates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import AddedToken, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models as tk_models
+
+from models.tokenizer import Tokenizer
+
+ALIASES = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m"}
+
+TEXTS = [
+    "Hello world",
+    " leading space",
+    "   three leading spaces",
+    "double  spaces   and\ttabs\n\nnew paragraph\n\n\n",
+    "def f(x):\n    return x**2  # square\n\nprint(f(12))\n",
+    "1234567890 3.14159 1,000,000 2024-01-31",
+    "naïve café, 日本語のテキスト, Ελληνικά, مرحبا",
+    "emoji 😀👍🏽 family 👨‍👩‍👧 flags 🇫🇷",
+    "<|im_start|>user\nhi<|im_end|>\n<start_of_turn>model\nok<end_of_turn>\n<bos><eos>",
+    "a\u00a0b\u200bc",
+    "",
+    " ",
+    "\n",
+]
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": "  Capital of Spain?  "},
+        {"role": "assistant", "content": "Madrid."},
+        {"role": "user", "content": "And of Italy? 🇮🇹"},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_tokenizers():
+    """transformers' tokenizer built straight from each GGUF (the oracle), loaded once."""
+    from transformers import AutoTokenizer
+
+    from models.fetch import gguf_path
+
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            path = gguf_path(ALIASES[name], progress=False)
+            cache[name] = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_ids_and_decode_match_transformers_gguf_tokenizer(name, request, gguf_tokenizers):
+    tok = Tokenizer.from_dir(request.getfixturevalue(f"{name}_dir"))
+    ref = gguf_tokenizers(name)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text), text
+        assert tok.encode(text, add_special_tokens=False) == ref.encode(
+            text, add_special_tokens=False
+        )
+        assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+        assert tok.decode(ids, skip_special_tokens=False) == ref.decode(ids), text
+        plain = tok.encode(text, add_special_tokens=False)
+        if "<" not in text:
+            assert tok.decode(plain) == text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_chat_template_matches_transformers(name, request):
+    from transformers import AutoTokenizer
+
+    folder = request.getfixturevalue(f"{name}_dir")
+    tok = Tokenizer.from_dir(folder)
+    ref = AutoTokenizer.from_pretrained(folder)
+    assert tok.has_chat_template
+    for chat in CHATS:
+        for add_prompt in (True, False):
+            text = tok.apply_chat_template(chat, add_generation_prompt=add_prompt)
+            assert text == ref.apply_chat_template(
+                chat, tokenize=False, add_generation_prompt=add_prompt
+            )
+            expected = ref.apply_chat_template(
+                chat, tokenize=True, add_generation_prompt=add_prompt, return_dict=False
+            )
+            assert tok.encode_chat(chat, add_generation_prompt=add_prompt) == list(expected)
+
+
+@pytest.mark.slow
+def test_smollm2_special_tokens(smollm2_dir):
+    tok = Tokenizer.from_dir(smollm2_dir)
+    assert tok.vocab_size == 49152
+    assert tok.bos_token_id == 1
+    assert tok.eos_token_ids == (2,)
+    assert tok.encode("Hi") == tok.encode("Hi", add_special_tokens=False)
+    ids = tok.encode_chat(CHATS[0])
+    assert ids[0] == tok.encode("<|im_start|>")[0] and ids.count(1) == 3
+    assert tok.token_str(tok.encode(" Paris")[0]) == " Paris"
+
+
+@pytest.mark.slow
+def test_gemma3_special_tokens_and_single_bos(gemma3_dir):
+    tok = Tokenizer.from_dir(gemma3_dir)
+    assert tok.vocab_size == 262144
+    assert tok.bos_token_id == 2
+    assert tok.eos_token_ids == (1, 106)
+    assert tok.encode("Hi")[0] == 2 and tok.encode("Hi", add_special_tokens=False)[0] != 2
+    ids = tok.encode_chat(CHATS[1])
+    assert ids[0] == 2 and ids.count(2) == 1
+    assert tok.token_str(106) == "<end_of_turn>"
+    assert tok.decode(tok.encode("Hello  world")) == "Hello  world"
+
+
+# Small synthetic folders: the chat and BOS handling without a real model.
+
+
+def _write_folder(path: Path, template: str | None, add_bos: bool) -> Path:
+    words = ["<bos>", "<eos>", "<turn>", "h", "i", "hi", " "]
+    model = tk_models.BPE({w: i for i, w in enumerate(words)}, [("h", "i")])
+    hf = HFTokenizer(model)
+    hf.pre_tokenizer = pre_tokenizers.Split(" ", behavior="isolated")
+    hf.add_special_tokens([AddedToken(w, special=True, normalized=False) for w in words[:3]])
+    if add_bos:
+        hf.post_processor = processors.TemplateProcessing(
+            single="<bos> $A", special_tokens=[("<bos>", 0)]
+        )
+    hf.save(str(path / "tokenizer.json"))
+    config = {"bos_token": "<bos>", "eos_token": "<eos>"}
+    if template is not None:
+        config["chat_template"] = template
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))
+    return path
+
+
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}"
+    "{% endif %}<turn>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<turn>{% endif %}"
+)
+
+
+def test_eos_ids_gather_every_source(tmp_path):
+    tok = Tokenizer.from_dir(_write_folder(tmp_path, PLAIN_TEMPLATE, add_bos=False))
+    assert tok.eos_token_ids == (1, 2)
+    assert tok.bos_token_id == 0
+
+
+def test_encode_chat_adds_the_missing_bos_once(tmp_path):
+    tok = Tokenizer.from_dir(_write_folder(tmp_path, PLAIN_TEMPLATE, add_bos=True))
+    chat = [{"role": "user", "content": "hi"}]
+    assert tok.encode_chat(chat) == [0, 2, 5, 2]
+    with_bos = Tokenizer.from_dir(
+        _write_folder(tmp_path, "{{ bos_token }}" + PLAIN_TEMPLATE, add_bos=True)
+    )
+    assert with_bos.encode_chat(chat) == [0, 2, 5, 2]
+
+
+def test_missing_chat_template_is_a_clear_error(tmp_path):
+    tok = Tokenizer.from_dir(_write_folder(tmp_path, None, add_bos=False))
+    assert not tok.has_chat_template
+    with pytest.raises(ValueError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [],
+        "hi",
+        ["hi"],
+        [{"content": "hi"}],
+        [{"role": 3, "content": "hi"}],
+        [{"role": "user", "content": 5}],
+    ],
+)
+def test_malformed_messages_are_rejected(tmp_path, messages):
+    tok = Tokenizer.from_dir(_write_folder(tmp_path, PLAIN_TEMPLATE, add_bos=False))
+    with pytest.raises(ValueError):
+        tok.apply_chat_template(messages)
+
+
+def test_template_exceptions_become_value_errors(tmp_path):
+    tok = Tokenizer.from_dir(_write_folder(tmp_path, PLAIN_TEMPLATE, add_bos=False))
+    with pytest.raises(ValueError, match="no tools"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+    broken = Tokenizer.from_dir(_write_folder(tmp_path, "{% for %}", add_bos=False))
+    with pytest.raises(ValueError, match="does not compile"):
+        broken.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_none_content_is_dropped_like_transformers(tmp_path):
+    tok = Tokenizer.from_dir(_write_folder(tmp_path, PLAIN_TEMPLATE, add_bos=False))
+    text = tok.apply_chat_template([{"role": "assistant", "content": None}], False)
+    assert text == "<turn>"
