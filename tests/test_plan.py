@@ -1,0 +1,153 @@
+"""`kvserve plan` against hand-computed KV-cache sizes, from config.json alone (no weights)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.capacity import GIB
+from engine.kv_spec import FullAttentionSpec, KVCacheGroup, MLASpec, SlidingWindowSpec
+from engine.plan import main, make_plan
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def write_config(folder, **fields):
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(fields))
+    return folder
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    return write_config(
+        tmp_path / "llama",
+        architectures=["LlamaForCausalLM"],
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+
+
+@pytest.fixture
+def deepseek_dir(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DeepseekV3Config(
+        architectures=["DeepseekV3ForCausalLM"],
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        max_position_embeddings=256,
+    )
+    config.save_pretrained(tmp_path / "deepseek")
+    return tmp_path / "deepseek"
+
+
+def expected_row(bytes_per_token: int, gib: float, block_size: int, max_len: int):
+    blocks = int(gib * GIB) // (bytes_per_token * block_size)
+    return blocks, blocks * block_size, blocks // -(-max_len // block_size)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_llama_plan_is_k_and_v_per_kv_head_per_layer(llama_dir, dtype, capsys):
+    per_token = 2 * 2 * 16 * DTYPE_BYTES[dtype] * 3  # K and V x kv_heads x head_dim x layers
+    assert main(["--model", str(llama_dir), "--kv-cache-memory", "0.25", "--dtype", dtype]) == 0
+    out = capsys.readouterr().out
+    (row,) = make_plan(str(llama_dir), 0.25, dtype=dtype).rows
+    blocks, tokens, seqs = expected_row(per_token, 0.25, 16, 1024)
+    assert (row.bytes_per_token, row.num_blocks, row.tokens) == (per_token, blocks, tokens)
+    assert row.max_seqs_at_full_len == seqs
+    line = next(line for line in out.splitlines() if line.startswith("FullAttentionSpec"))
+    assert line.split()[1:] == ["3", f"{per_token:,}", str(blocks), f"{tokens:,}", str(seqs)]
+    assert f"bytes/token: {per_token:,} (3 x {per_token // 3:,} FullAttentionSpec)" in out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_deepseek_plan_is_one_latent_row_per_layer(deepseek_dir, dtype, capsys):
+    assert not list(deepseek_dir.glob("*.safetensors"))  # the plan needs no weights
+    per_token = (32 + 8) * DTYPE_BYTES[dtype] * 2  # (kv_lora_rank + rope) x layers
+    args = ["--model", str(deepseek_dir), "--kv-cache-memory", "0.25", "--max-model-len", "200"]
+    assert main([*args, "--dtype", dtype, "--block-size", "32"]) == 0
+    out = capsys.readouterr().out
+    (row,) = make_plan(str(deepseek_dir), 0.25, 200, 32, dtype).rows
+    blocks, tokens, seqs = expected_row(per_token, 0.25, 32, 200)
+    assert (row.kind, row.num_layers, row.bytes_per_token) == ("MLASpec", 2, per_token)
+    assert (row.num_blocks, row.tokens, row.max_seqs_at_full_len) == (blocks, tokens, seqs)
+    assert f"bytes/token: {per_token:,} (2 x {per_token // 2:,} MLASpec)" in out
+    assert "max_model_len 200" in out
+
+
+def test_deepseek_v3_full_shapes_plan_from_config_alone(tmp_path, capsys):
+    folder = write_config(
+        tmp_path / "v3",
+        architectures=["DeepseekV3ForCausalLM"],
+        vocab_size=129280,
+        hidden_size=7168,
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        max_position_embeddings=163840,
+    )
+    assert main(["--model", str(folder), "--kv-cache-memory", "40", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "bytes/token: 70,272 (61 x 1,152 MLASpec)" in out  # 61 x 576 values x 2 bytes
+    # A 163840-token sequence: 10240 blocks of 16 x 70,272 bytes.
+    assert "one 163840-token sequence holds 10,980.0 MiB" in out
+
+
+# Per model: its KV-cache groups, and K/V (or latent) values per token over all layers.
+LAYOUTS = {
+    "SmolLM2-135M": (
+        lambda d: [KVCacheGroup(FullAttentionSpec(3, 64, d), tuple(range(30)))],
+        30 * 2 * 3 * 64,
+    ),
+    "Gemma-3-270M": (
+        lambda d: [
+            KVCacheGroup(SlidingWindowSpec(1, 256, d, window_size=512), tuple(range(15))),
+            KVCacheGroup(FullAttentionSpec(1, 256, d), tuple(range(15, 18))),
+        ],
+        18 * 2 * 1 * 256,
+    ),
+    "DeepSeek-V3": (
+        lambda d: [KVCacheGroup(MLASpec(512, 64, d), tuple(range(61)))],
+        61 * (512 + 64),
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("model", sorted(LAYOUTS))
+def test_bytes_per_token_at_real_model_shapes(model, dtype):
+    make_groups, values_per_token = LAYOUTS[model]
+    groups = make_groups(dtype)
+    assert sum(g.bytes_per_token for g in groups) == values_per_token * DTYPE_BYTES[dtype]
+
+
+def test_mla_latent_is_far_smaller_than_per_head_kv_at_v3_shapes():
+    mla = MLASpec(512, 64, "bfloat16").bytes_per_token
+    # Decompressed, each of 128 heads would keep a 192-wide key and a 128-wide value.
+    per_head = 128 * (128 + 64 + 128) * 2
+    assert mla == 1152
+    assert per_head / mla > 70
+
+
+def test_plan_rejects_a_block_size_that_is_not_a_power_of_two(llama_dir):
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(llama_dir), "--kv-cache-memory", "1", "--block-size", "24"])
+    assert e.value.code == 2
