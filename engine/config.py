@@ -8,6 +8,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from engine.overflow import CONTEXT_POLICIES, PREEMPTION_MODES
+
 
 @dataclass(frozen=True, eq=False)
 class ModelConfig:
@@ -88,6 +90,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    preemption_mode: str = "recompute"  # or "swap"
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,14 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     attention_backend: str | None = None  # None: by device
     seed: int = 0
+    # Overflow policies (engine.overflow): the context default, which requests may override.
+    context_overflow: str = "error"  # error, truncate, stop, shift, sink
+    context_n_keep: int | None = None
+    context_n_discard: int | None = None
+    preemption_mode: str = "recompute"  # or "swap", to a host pool of swap_space_gib
+    swap_space_gib: float = 4.0
+    max_queue_len: int | None = None  # waiting requests beyond which new ones get a 429
+    max_queued_tokens: int | None = None  # waiting prompt tokens, likewise
 
     def __post_init__(self) -> None:
         checks = [
@@ -115,6 +126,13 @@ class EngineArgs:
             (self.max_num_seqs > 0, "max_num_seqs"),
             (self.max_num_batched_tokens > 0, "max_num_batched_tokens"),
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device"),
+            (self.context_overflow in CONTEXT_POLICIES, "context_overflow"),
+            (self.context_n_keep is None or self.context_n_keep >= -1, "context_n_keep"),
+            (self.context_n_discard is None or self.context_n_discard > 0, "context_n_discard"),
+            (self.preemption_mode in PREEMPTION_MODES, "preemption_mode"),
+            (self.swap_space_gib >= 0, "swap_space_gib"),
+            (self.max_queue_len is None or self.max_queue_len > 0, "max_queue_len"),
+            (self.max_queued_tokens is None or self.max_queued_tokens > 0, "max_queued_tokens"),
         ]
         for ok, name in checks:
             if not ok:

@@ -1,4 +1,26 @@
-"""Per-sequence block tables over one block pool per KV-cache group. Pure Python."""
+"""Per-sequence block tables over one block pool per KV-cache group. Pure Python.
+
+Besides growing and freeing tables, the manager carries out two cache moves and describes the
+copies or rotations they need; the model runner performs them before the step's forward pass:
+
+- ``drop``: a context shift removes whole blocks of tokens after the kept ones. A full table
+  loses those blocks and the blocks after them hold keys that must move down (be re-rotated)::
+
+      block_size 4, keep 4, drop 8:   table [a b c d e]  ->  [a d e]   rotate d, e by -8
+
+  A sliding-window ring that has filled all ``ring_len`` entries keeps its blocks: the
+  discarded positions are outside any later window, and renumbering every position by -8 is
+  turning the ring by 8 / 4 entries (position p lives in ``table[(p // bs) % ring_len]``)::
+
+      ring_len 3: table [a b c] holding positions 12..23 (12-15 in a, 16-19 in b, 20-23 in c)
+      after -8:   table [c a b]: positions 4..15 (4-7 in c, 8-11 in a, 12-15 in b)
+
+  That is exact only if no later window reaches back over the discarded range to the kept
+  tokens (which a turned ring does not hold); ``max_discard`` bounds the drop to keep it so.
+  A ring that has not filled holds every position, and drops blocks like a full table.
+- ``swap_out`` / ``swap_in``: a preempted sequence's blocks go to a host pool and come back
+  into fresh device blocks, in table order (which a ring's addressing depends on).
+"""
 
 from __future__ import annotations
 
@@ -8,15 +30,25 @@ from engine.block_pool import BlockPool
 from engine.kv_spec import KVCacheGroup
 
 BlockTables = list[list[int]]  # one table per group
+BlockPairs = list[list[tuple[int, int]]]  # per group: (from block, to block)
 
 
 class KVCacheManager:
-    def __init__(self, groups: list[KVCacheGroup], num_blocks: tuple[int, ...], block_size: int):
+    def __init__(
+        self,
+        groups: list[KVCacheGroup],
+        num_blocks: tuple[int, ...],
+        block_size: int,
+        num_host_blocks: tuple[int, ...] = (),
+    ):
         if len(groups) != len(num_blocks):
             raise ValueError("one pool size per KV-cache group")
+        if num_host_blocks and len(num_host_blocks) != len(groups):
+            raise ValueError("one swap pool size per KV-cache group")
         self.groups = groups
         self.block_size = block_size
         self.pools = [BlockPool(n) for n in num_blocks]
+        self.host_pools = [BlockPool(n) for n in num_host_blocks]
 
     def new_tables(self) -> BlockTables:
         return [[] for _ in self.groups]
@@ -52,6 +84,95 @@ class KVCacheManager:
             pool.free(table)
             table.clear()
 
+    # -- context shift ------------------------------------------------------------------------
+
+    def _ring_is_full(self, group: KVCacheGroup, table: list[int]) -> bool:
+        return group.spec.window > 0 and len(table) >= group.spec.ring_len(self.block_size)
+
+    def max_discard(self, tables: BlockTables, num_cached: int, keep: int) -> int:
+        """Most tokens a shift can drop after the first ``keep`` (a block multiple), in whole
+        blocks of cached tokens, such that every window still finds its positions."""
+        bs = self.block_size
+        most = num_cached // bs * bs - keep
+        for g, table in zip(self.groups, tables):
+            if self._ring_is_full(g, table):
+                # The next token's window, [n - window + 1, n], must not reach the kept tokens.
+                most = min(most, num_cached - keep - (g.spec.window - 1))
+        return max(0, most // bs * bs)
+
+    def drop(self, tables: BlockTables, num_cached: int, start: int, count: int) -> BlockTables:
+        """Remove tokens [start, start + count) from a sequence holding ``num_cached``.
+
+        Returns, per group, the blocks whose keys must then move ``-count`` positions.
+        """
+        bs = self.block_size
+        if start % bs or count % bs or not 0 < count <= self.max_discard(tables, num_cached, start):
+            raise ValueError(f"cannot drop {count} tokens at {start} of {num_cached} cached")
+        first, n = start // bs, count // bs
+        moved = []
+        for g, pool, table in zip(self.groups, self.pools, tables):
+            if self._ring_is_full(g, table):
+                turn = n % len(table)
+                table[:] = table[turn:] + table[:turn]
+                moved.append(list(table))
+            else:
+                pool.free(table[first : first + n])
+                del table[first : first + n]
+                moved.append(table[first:])
+        return moved
+
+    # -- swapping -----------------------------------------------------------------------------
+
+    @property
+    def can_swap(self) -> bool:
+        return bool(self.host_pools)
+
+    def can_swap_out(self, tables: BlockTables) -> bool:
+        return self.can_swap and all(
+            len(t) <= pool.num_free for t, pool in zip(tables, self.host_pools)
+        )
+
+    def swap_out(self, tables: BlockTables) -> tuple[BlockTables, BlockPairs]:
+        """Move a sequence's blocks to the host pools: (host tables, device->host copies)."""
+        if not self.can_swap_out(tables):
+            raise MemoryError("not enough free swap blocks")
+        host_tables, copies = [], []
+        for pool, host_pool, table in zip(self.pools, self.host_pools, tables):
+            host = host_pool.allocate(len(table))
+            copies.append(list(zip(table, host)))
+            host_tables.append(host)
+            pool.free(table)
+            table.clear()
+        return host_tables, copies
+
+    def can_swap_in(self, host_tables: BlockTables, num_tokens: int) -> bool:
+        """Whether the blocks come back and the sequence can grow to ``num_tokens``."""
+        return all(
+            max(len(h), g.spec.num_blocks(num_tokens, self.block_size)) <= pool.num_free
+            for g, h, pool in zip(self.groups, host_tables, self.pools)
+        )
+
+    def swap_in(self, host_tables: BlockTables) -> tuple[BlockTables, BlockPairs]:
+        """Bring swapped blocks back: (device tables, host->device copies)."""
+        if not all(len(h) <= pool.num_free for h, pool in zip(host_tables, self.pools)):
+            raise MemoryError("not enough free KV blocks")
+        tables, copies = [], []
+        for pool, host_pool, host in zip(self.pools, self.host_pools, host_tables):
+            table = pool.allocate(len(host))
+            copies.append(list(zip(host, table)))
+            tables.append(table)
+            host_pool.free(host)
+        for host in host_tables:
+            host.clear()
+        return tables, copies
+
+    def free_host(self, host_tables: BlockTables) -> None:
+        for pool, host in zip(self.host_pools, host_tables):
+            pool.free(host)
+            host.clear()
+
+    # -- accounting ---------------------------------------------------------------------------
+
     @property
     def num_free_blocks(self) -> int:
         return sum(p.num_free for p in self.pools)
@@ -60,15 +181,29 @@ class KVCacheManager:
     def num_total_blocks(self) -> int:
         return sum(p.num_blocks for p in self.pools)
 
+    @property
+    def num_free_host_blocks(self) -> int:
+        return sum(p.num_free for p in self.host_pools)
+
+    @property
+    def num_total_host_blocks(self) -> int:
+        return sum(p.num_blocks for p in self.host_pools)
+
     def usage(self) -> list[float]:
         return [p.usage for p in self.pools]
 
-    def check_integrity(self, live_tables: list[BlockTables]) -> None:
+    def check_integrity(
+        self, live_tables: list[BlockTables], live_host_tables: list[BlockTables] = ()
+    ) -> None:
         """Pools are consistent and every held block is owned by exactly its referents."""
-        for gi, pool in enumerate(self.pools):
-            pool.check_integrity()
-            owners = Counter(b for tables in live_tables for b in tables[gi])
-            for b, refs in enumerate(pool.ref_counts):
-                assert owners.get(b, 0) == refs, (
-                    f"group {gi} block {b}: {refs} refs, {owners.get(b, 0)} owners"
-                )
+        for pools, owners_tables, kind in (
+            (self.pools, live_tables, "device"),
+            (self.host_pools, live_host_tables, "host"),
+        ):
+            for gi, pool in enumerate(pools):
+                pool.check_integrity()
+                owners = Counter(b for tables in owners_tables if tables for b in tables[gi])
+                for b, refs in enumerate(pool.ref_counts):
+                    assert owners.get(b, 0) == refs, (
+                        f"{kind} group {gi} block {b}: {refs} refs, {owners.get(b, 0)} owners"
+                    )

@@ -5,13 +5,18 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.overflow import ContextPolicy
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its cache kept in host memory
     FINISHED = "finished"
 
 
@@ -29,10 +34,15 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_tables: list[list[int]] = field(default_factory=list)
+    host_tables: list[list[int]] = field(default_factory=list)  # swap-pool blocks while swapped
+    context_policy: ContextPolicy | None = None  # None: the scheduler's default
+    num_dropped_tokens: int = 0  # removed from token_ids by the context policy
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -53,3 +63,10 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
+
+    def drop_tokens(self, start: int, count: int) -> None:
+        """Remove ``count`` tokens at ``start`` from the context; cached ones included."""
+        del self.token_ids[start : start + count]
+        if self.num_computed_tokens > start:
+            self.num_computed_tokens -= min(count, self.num_computed_tokens - start)
+        self.num_dropped_tokens += count

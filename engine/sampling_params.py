@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.errors import RequestError
+from engine.overflow import ContextOverflow
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k: chosen token plus k alternatives
     skip_special_tokens: bool = True
     min_tokens: int = 0
+    overflow: ContextOverflow | None = None  # None: the engine's default context policy
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

@@ -1,19 +1,23 @@
-"""Continuous batching with a token budget, chunked prefill and recompute preemption.
+"""Continuous batching with a token budget, chunked prefill, preemption and context policies.
 
-Each step: running requests first (decodes and unfinished prefill chunks), then waiting
-requests while the token budget, ``max_num_seqs`` and free blocks allow. When a running
-request needs a block and none is free, the lowest-priority latest-arrived running request
-is preempted: its blocks go back and it re-enters the queue at the front, to be recomputed.
+Each step: running requests first (decodes and unfinished prefill chunks), then queued ones,
+waiting or swapped, best ``(priority, arrival)`` first, while the token budget, ``max_num_seqs``
+and free blocks allow. When a running request needs a block and none is free, the
+``Preemption`` policy picks a victim among all running requests and recomputes it later or
+swaps its blocks to the host pool. When a sequence fills ``max_model_len``, its context policy
+decides: finish, or drop tokens (a shift), whose cache rotation the next step carries.
 Pure Python: the output is plain data for the model runner.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import time
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
-from engine.kv_manager import KVCacheManager
+from engine.kv_manager import BlockPairs, BlockTables, KVCacheManager
+from engine.overflow import ContextPolicy, ContextState, Drop, Finish, Preemption, StopPolicy
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 
@@ -31,28 +35,64 @@ class ScheduledRequest:
 
 
 @dataclass
+class CacheShift:
+    """A sequence's cached keys in ``blocks`` (per group) move ``delta`` positions."""
+
+    request_id: str
+    delta: int
+    blocks: BlockTables
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]  # one-token (decode) requests first
     num_decodes: int
     finished_ids: list[str] = field(default_factory=list)  # ended since the last step
     preempted_ids: list[str] = field(default_factory=list)
+    # Cache moves, carried out in this order before the step's forward pass. A step swaps out
+    # or in, never both, so a host block freed by a swap-in is not yet reused.
+    shifts: list[CacheShift] = field(default_factory=list)
+    swap_out: BlockPairs = field(default_factory=list)  # per group: (device, host)
+    swap_in: BlockPairs = field(default_factory=list)  # per group: (host, device)
 
     @property
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.scheduled)
 
+    @property
+    def has_cache_ops(self) -> bool:
+        return bool(self.shifts) or any(self.swap_out) or any(self.swap_in)
+
+
+@dataclass
+class SchedulerEvents:
+    """Counts since the engine last drained them, for the metrics."""
+
+    preemptions: Counter = field(default_factory=Counter)  # by mode
+    context_overflows: Counter = field(default_factory=Counter)  # by policy
+    swapped_blocks: Counter = field(default_factory=Counter)  # by direction
+
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, eos_token_ids: tuple[int, ...] = ()
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        eos_token_ids: tuple[int, ...] = (),
+        default_context_policy: ContextPolicy | None = None,
     ):
         self.config = config
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.preemption = Preemption(config.preemption_mode)
+        self.default_context_policy = default_context_policy or StopPolicy()
         self.waiting: deque[Request] = deque()
+        self.swapped: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.events = SchedulerEvents()
         self._finished_ids: list[str] = []
+        self._shifts: list[CacheShift] = []
         self.num_preemptions = 0
 
     # -- requests in and out ------------------------------------------------------------------
@@ -73,14 +113,17 @@ class Scheduler:
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
         if req.finished:
             return
-        req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason
         self.kv.free(req.block_tables)
-        if req in self.running:
+        if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        elif req in self.waiting:
+        elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
+        elif req.status == RequestStatus.SWAPPED:
+            self.kv.free_host(req.host_tables)
+            self.swapped.remove(req)
+        req.status = RequestStatus.FINISHED
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
 
@@ -92,53 +135,95 @@ class Scheduler:
     def live_requests(self) -> list[Request]:
         return list(self.requests.values())
 
+    @property
+    def num_waiting_tokens(self) -> int:
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+
+    def drain_events(self) -> SchedulerEvents:
+        events, self.events = self.events, SchedulerEvents()
+        return events
+
     # -- one step -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: dict[str, tuple[Request, int]] = {}  # in scheduling order
         preempted: list[str] = []
+        swap_out: BlockPairs = [[] for _ in self.kv.groups]
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.can_allocate(req.block_tables, req.num_computed_tokens + n):
-                victim = max(self.running[i:], key=lambda r: (r.priority, r.arrival_time))
-                self._preempt(victim)
+                victim = self._preempt(swap_out)
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
+                if victim.request_id in scheduled:  # its turn came earlier in this step
+                    budget += scheduled.pop(victim.request_id)[1]
+                    i -= 1
             if req.status != RequestStatus.RUNNING:
                 continue  # req itself was preempted; self.running[i] is now the next one
             self.kv.allocate(req.block_tables, req.num_computed_tokens + n)
-            scheduled.append((req, n))
+            scheduled[req.request_id] = (req, n)
             budget -= n
             i += 1
 
-        while self.waiting and budget > 0 and not preempted:
+        swap_in: BlockPairs = [[] for _ in self.kv.groups]
+        # A step that preempted has no blocks to spare; it also must not reuse the host blocks
+        # its swap-outs are about to fill.
+        while (self.waiting or self.swapped) and budget > 0 and not preempted:
             if len(self.running) >= self.config.max_num_seqs:
                 break
-            req = min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+            req = min((*self.waiting, *self.swapped), key=lambda r: (r.priority, r.arrival_time))
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.can_allocate(req.block_tables, req.num_computed_tokens + n):
+            if not self._resume(req, n, swap_in):
                 break
-            self.kv.allocate(req.block_tables, req.num_computed_tokens + n)
-            self.waiting.remove(req)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            scheduled.append((req, n))
+            scheduled[req.request_id] = (req, n)
             budget -= n
 
-        scheduled.sort(key=lambda item: item[1] != 1)  # stable: decodes first
+        items = sorted(scheduled.values(), key=lambda item: item[1] != 1)  # stable: decodes first
+        live = (RequestStatus.RUNNING, RequestStatus.SWAPPED)
         out = SchedulerOutput(
-            scheduled=[self._to_plain(req, n) for req, n in scheduled],
-            num_decodes=sum(1 for _, n in scheduled if n == 1),
+            scheduled=[self._to_plain(req, n) for req, n in items],
+            num_decodes=sum(1 for _, n in items if n == 1),
             finished_ids=self._finished_ids,
             preempted_ids=preempted,
+            # A recomputed or finished sequence's blocks are no longer its own to rotate.
+            shifts=[s for s in self._shifts if self._status(s.request_id) in live],
+            swap_out=swap_out,
+            swap_in=swap_in,
         )
         self._finished_ids = []
+        self._shifts = []
         return out
+
+    def _status(self, request_id: str) -> RequestStatus:
+        req = self.requests.get(request_id)
+        return req.status if req is not None else RequestStatus.FINISHED
+
+    def _resume(self, req: Request, n: int, swap_in: BlockPairs) -> bool:
+        """Move a waiting or swapped request to running with room for ``n`` new tokens."""
+        need = req.num_computed_tokens + n
+        if req.status == RequestStatus.SWAPPED:
+            if not self.kv.can_swap_in(req.host_tables, need):
+                return False
+            req.block_tables, copies = self.kv.swap_in(req.host_tables)
+            for pairs, group_copies in zip(swap_in, copies):
+                pairs.extend(group_copies)
+            self.events.swapped_blocks["in"] += sum(len(c) for c in copies)
+            self.swapped.remove(req)
+        else:
+            if not self.kv.can_allocate(req.block_tables, need):
+                return False
+            self.waiting.remove(req)
+        self.kv.allocate(req.block_tables, need)
+        req.status = RequestStatus.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        self.running.append(req)
+        return True
 
     def _to_plain(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -153,14 +238,25 @@ class Scheduler:
             output_token_ids=req.output_token_ids,
         )
 
-    def _preempt(self, req: Request) -> None:
-        self.kv.free(req.block_tables)
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
-        req.num_preemptions += 1
+    def _preempt(self, swap_out: BlockPairs) -> Request:
+        victim, mode = self.preemption.decide(self.running, self.kv.can_swap_out)
+        self.running.remove(victim)
+        victim.num_preemptions += 1
         self.num_preemptions += 1
-        self.running.remove(req)
-        self.waiting.appendleft(req)
+        self.events.preemptions[mode] += 1
+        if mode == "swap":
+            victim.host_tables, copies = self.kv.swap_out(victim.block_tables)
+            for pairs, group_copies in zip(swap_out, copies):
+                pairs.extend(group_copies)
+            self.events.swapped_blocks["out"] += sum(len(c) for c in copies)
+            victim.status = RequestStatus.SWAPPED
+            self.swapped.appendleft(victim)
+        else:
+            self.kv.free(victim.block_tables)
+            victim.num_computed_tokens = 0
+            victim.status = RequestStatus.WAITING
+            self.waiting.appendleft(victim)
+        return victim
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish what must stop.
@@ -191,5 +287,32 @@ class Scheduler:
         if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
             return self.finish(req, "length")
         if req.num_tokens >= self.config.max_model_len:
-            return self.finish(req, "length")
+            return self._context_full(req)
         return None
+
+    def _context_full(self, req: Request) -> None:
+        """The next token has no position left: the request's context policy decides."""
+        policy = req.context_policy or self.default_context_policy
+        state = ContextState(
+            admission=False,
+            num_tokens=req.num_tokens,
+            prompt_len=len(req.prompt_token_ids),
+            max_tokens=req.params.max_tokens,
+            limit=self.config.max_model_len,
+            block_size=self.kv.block_size,
+            discardable=lambda keep: self.kv.max_discard(
+                req.block_tables, req.num_computed_tokens, keep
+            ),
+        )
+        decision = policy.decide(state)
+        self.events.context_overflows[policy.name] += 1
+        if isinstance(decision, Drop):
+            blocks = self.kv.drop(
+                req.block_tables, req.num_computed_tokens, decision.start, decision.count
+            )
+            req.drop_tokens(decision.start, decision.count)
+            self._shifts.append(CacheShift(req.request_id, -decision.count, blocks))
+        elif isinstance(decision, Finish):
+            self.finish(req, "length")
+        else:
+            raise AssertionError(f"{policy.name} cannot decide {decision} for a full context")

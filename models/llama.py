@@ -9,6 +9,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.kv_spec import FullAttentionSpec, KVCacheGroup
 from kernels.paged import ForwardContext
+from kernels.rotary import RopeLayout
 from models.layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 
@@ -92,6 +93,10 @@ class LlamaForCausalLM(nn.Module):
     def kv_cache_groups(cfg: ModelConfig, dtype: str) -> list[KVCacheGroup]:
         spec = FullAttentionSpec(cfg.num_kv_heads, cfg.head_dim, dtype)
         return [KVCacheGroup(spec, tuple(range(cfg.num_layers)))]
+
+    def cached_key_rope(self, layer_id: int) -> RopeLayout:
+        """How the keys this model caches were rotated: every layer alike, half-split."""
+        return RopeLayout(self.inv_freq)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
         x = self.model.embed_tokens(input_ids)

@@ -1,0 +1,301 @@
+"""Overflow policies: what happens when a sequence outgrows max_model_len, or the pool its blocks.
+
+Each policy is a small object with one decision method. The engine asks at admission, the
+scheduler asks when a running sequence fills the context or needs a block none is free for;
+they carry the decision out and count it. Pure Python.
+
+Context overflow (``ContextPolicy.decide``)::
+
+    limit = 16, block_size = 4, n_keep = 4
+    tokens:  [ 0  1  2  3 | 4  5  6  7 | 8  9 10 11 | 12 13 14 15 ]  the cache is full
+             |-- kept ---|---- discarded -------|---- kept, moved 8 positions down ---|
+    shift:   [ 0  1  2  3 | 12 13 14 15 ]  then generation goes on at position 8
+    sink:    as shift, one block at a time: the recent window stays as long as it can
+    stop:    finish_reason "length"
+    error:   prompt + max_tokens over the limit is refused before any work
+    truncate: the prompt loses tokens after the first n_keep so that prompt + max_tokens fits
+
+A running sequence's cache drops whole blocks, so ``shift`` and ``sink`` round n_keep and
+n_discard up to block multiples; a prompt is not cached yet, so ``truncate`` is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from engine.errors import RequestError
+
+if TYPE_CHECKING:
+    from engine.request import Request
+
+CONTEXT_POLICIES = ("error", "truncate", "stop", "shift", "sink")
+PREEMPTION_MODES = ("recompute", "swap")
+
+# The first tokens draw attention out of proportion to their content (StreamingLLM's sinks);
+# keeping a few by default is what keeps a shifted or truncated sequence fluent.
+DEFAULT_KEEP = 4
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ContextOverflow:
+    """A request's context-overflow choice, or the server default.
+
+    ``n_keep``: tokens kept at the start (-1: the whole prompt); for ``sink`` the attention
+    sinks. ``n_discard``: tokens dropped at each overflow by ``shift`` (default: half of what
+    follows the kept ones) and ``sink`` (default: one block). None: the policy's default.
+    """
+
+    policy: str = "error"
+    n_keep: int | None = None
+    n_discard: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in CONTEXT_POLICIES:
+            raise RequestError(
+                f"overflow.policy must be one of {', '.join(CONTEXT_POLICIES)}; "
+                f"got {self.policy!r}.",
+                param="overflow.policy",
+            )
+        if self.n_keep is not None and self.n_keep < -1:
+            raise RequestError("overflow.n_keep must be -1 or more.", param="overflow.n_keep")
+        if self.n_discard is not None and self.n_discard < 1:
+            raise RequestError("overflow.n_discard must be at least 1.", param="overflow.n_discard")
+
+
+# ---- decisions ----
+
+
+@dataclass(frozen=True)
+class Fits:
+    """Nothing to do."""
+
+
+@dataclass(frozen=True)
+class Reject:
+    message: str
+    code: str = "context_length_exceeded"
+
+
+@dataclass(frozen=True)
+class Finish:
+    """End the sequence with finish_reason "length"."""
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Remove ``count`` tokens starting at ``start`` from the sequence (and its cache)."""
+
+    start: int
+    count: int
+
+
+ContextDecision = Fits | Reject | Finish | Drop
+
+
+def _no_discard(keep: int) -> int:
+    return 0
+
+
+@dataclass(frozen=True)
+class ContextState:
+    """A sequence at admission (the prompt) or at a full context (the prompt and its output)."""
+
+    admission: bool
+    num_tokens: int  # tokens the sequence holds: the prompt at admission
+    prompt_len: int
+    max_tokens: int | None  # the request's output limit, None: up to the context limit
+    limit: int  # max_model_len
+    block_size: int
+    # Tokens after the first ``keep`` (a block multiple) the cache can drop now.
+    discardable: Callable[[int], int] = _no_discard
+
+
+class ContextPolicy:
+    name: ClassVar[str]
+
+    def decide(self, s: ContextState) -> ContextDecision:
+        raise NotImplementedError
+
+
+def _prompt_too_long(s: ContextState) -> Reject | None:
+    if s.num_tokens < s.limit:
+        return None
+    return Reject(
+        f"This model's maximum context length is {s.limit} tokens. However, your prompt has "
+        f"{s.num_tokens} tokens. Please reduce the length of the messages."
+    )
+
+
+class ErrorPolicy(ContextPolicy):
+    """Refuse what cannot fit, as OpenAI does; a request without max_tokens stops at the limit."""
+
+    name = "error"
+
+    def decide(self, s: ContextState) -> ContextDecision:
+        if not s.admission:
+            return Finish()
+        wanted = s.num_tokens + (s.max_tokens or 0)
+        if s.num_tokens >= s.limit or wanted > s.limit:
+            return Reject(
+                f"This model's maximum context length is {s.limit} tokens. However, you "
+                f"requested {wanted} tokens ({s.num_tokens} in the messages, "
+                f"{s.max_tokens or 0} in the completion). Please reduce the length of the "
+                "messages or completion."
+            )
+        return Fits()
+
+
+class StopPolicy(ContextPolicy):
+    """Generate until the context is full, then finish with "length"."""
+
+    name = "stop"
+
+    def decide(self, s: ContextState) -> ContextDecision:
+        if s.admission:
+            return _prompt_too_long(s) or Fits()
+        return Finish()
+
+
+@dataclass(frozen=True)
+class TruncatePolicy(ContextPolicy):
+    """Drop the oldest prompt tokens after the first ``n_keep`` so that the request fits."""
+
+    name: ClassVar[str] = "truncate"
+    n_keep: int = DEFAULT_KEEP
+
+    def decide(self, s: ContextState) -> ContextDecision:
+        if not s.admission:
+            return Finish()
+        room = s.limit - (s.max_tokens or 1)  # prompt tokens that leave room for the output
+        if s.num_tokens <= room:
+            return Fits()
+        keep = s.prompt_len if self.n_keep == -1 else self.n_keep
+        if room < max(keep, 1):
+            return Reject(
+                f"max_tokens={s.max_tokens} leaves room for {max(room, 0)} prompt tokens of "
+                f"the model's {s.limit}; truncation keeps the first {keep}. Reduce max_tokens "
+                "or overflow.n_keep."
+            )
+        return Drop(keep, s.num_tokens - room)
+
+
+@dataclass(frozen=True)
+class ShiftPolicy(ContextPolicy):
+    """llama.cpp's context shift: keep ``n_keep``, drop ``n_discard`` after them, go on.
+
+    Without max_tokens there is no end to go on to: the request stops at the limit.
+    """
+
+    name: ClassVar[str] = "shift"
+    n_keep: int = DEFAULT_KEEP
+    n_discard: int | None = None  # None: half of what follows the kept tokens
+
+    def plan(self, s: ContextState) -> tuple[int, int]:
+        """(first token dropped, tokens dropped) for a full context, block aligned."""
+        bs = s.block_size
+        keep = round_up(s.prompt_len if self.n_keep == -1 else self.n_keep, bs)
+        wanted = self.n_discard or self._default_discard(s.limit - keep, bs)
+        room = s.discardable(keep)
+        return keep, min(round_up(wanted, bs), room // bs * bs)
+
+    def _default_discard(self, rest: int, block_size: int) -> int:
+        return rest // 2
+
+    def decide(self, s: ContextState) -> ContextDecision:
+        if s.admission:
+            too_long = _prompt_too_long(s)
+            if too_long or s.max_tokens is None:
+                return too_long or Fits()
+            keep, count = self.plan(s)
+            if count < s.block_size:
+                return Reject(
+                    f"overflow {self.name!r} keeps the first {keep} tokens (n_keep rounded up "
+                    f"to a block of {s.block_size}); that leaves nothing to discard in a "
+                    f"context of {s.limit}. Reduce overflow.n_keep.",
+                    code="invalid_overflow",
+                )
+            return Fits()
+        if s.max_tokens is None:
+            return Finish()
+        keep, count = self.plan(s)
+        return Drop(keep, count) if count >= s.block_size else Finish()
+
+
+@dataclass(frozen=True)
+class SinkPolicy(ShiftPolicy):
+    """StreamingLLM: ``n_keep`` attention sinks plus the most recent window.
+
+    The oldest block after the sinks leaves whenever the cache is full, so the window is never
+    shorter than ``max_model_len - n_keep - block_size``; positions are those in the cache.
+    """
+
+    name: ClassVar[str] = "sink"
+
+    def _default_discard(self, rest: int, block_size: int) -> int:
+        return block_size
+
+
+def context_policy(choice: ContextOverflow) -> ContextPolicy:
+    keep = DEFAULT_KEEP if choice.n_keep is None else choice.n_keep
+    if choice.policy == "error":
+        return ErrorPolicy()
+    if choice.policy == "stop":
+        return StopPolicy()
+    if choice.policy == "truncate":
+        return TruncatePolicy(keep)
+    if choice.policy == "shift":
+        return ShiftPolicy(keep, choice.n_discard)
+    return SinkPolicy(keep, choice.n_discard)
+
+
+# ---- pool overflow ----
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """No free block for a running sequence: who gives its blocks back, and how.
+
+    The victim is the lowest-priority request (highest ``priority`` value), the latest arrived
+    among equals. ``swap`` keeps its cache in host memory while the swap pool has room, and
+    falls back to recomputing it otherwise.
+    """
+
+    mode: str = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption mode must be one of {PREEMPTION_MODES}: {self.mode!r}")
+
+    def decide(
+        self, running: list[Request], can_swap: Callable[[Request], bool]
+    ) -> tuple[Request, str]:
+        victim = max(running, key=lambda r: (r.priority, r.arrival_time))
+        if self.mode == "swap" and can_swap(victim):
+            return victim, "swap"
+        return victim, "recompute"
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A bounded queue: a request beyond it is refused (429) rather than left waiting."""
+
+    max_queue_len: int | None = None
+    max_queued_tokens: int | None = None
+
+    def decide(self, num_waiting: int, waiting_tokens: int, new_tokens: int) -> str | None:
+        """None to admit, else the reason for refusing."""
+        if self.max_queue_len is not None and num_waiting >= self.max_queue_len:
+            return "queue_full"
+        if (
+            self.max_queued_tokens is not None
+            and num_waiting > 0
+            and waiting_tokens + new_tokens > self.max_queued_tokens
+        ):
+            return "queued_tokens"
+        return None
