@@ -286,16 +286,15 @@ def _byte_level_tokenizer(meta: Metadata) -> Tokenizer:
     return tok
 
 
-def _vocab_merges(tokens: list[str]) -> list[tuple[str, str]]:
+def _vocab_merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
     """BPE merges implied by a vocabulary that stores none.
 
     A token is reachable by merging any split of it into two vocabulary tokens. The merges are
-    ranked by the token's position in the file (Gemma's scores do not follow its merge order),
-    and within one token the longer left part first, as transformers orders them.
+    ranked by the token's id, its position in the file (Gemma's scores do not follow its merge
+    order), and within one token the longer left part first, as transformers orders them.
     """
-    vocab = set(tokens)
     merges = []
-    for token in tokens:
+    for token in sorted(vocab, key=vocab.__getitem__):
         for k in range(len(token) - 1, 0, -1):
             left, right = token[:k], token[k:]
             if left in vocab and right in vocab:
@@ -314,7 +313,7 @@ def _gemma_tokenizer(meta: Metadata) -> Tokenizer:
     tok = Tokenizer(
         models.BPE(
             vocab,
-            _vocab_merges(tokens),
+            _vocab_merges(vocab),
             unk_token=tokens[unk_id] if unk_id is not None else None,
             fuse_unk=True,
             byte_fallback=True,
