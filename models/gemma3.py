@@ -19,6 +19,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.kv_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from kernels.paged import ForwardContext
+from kernels.rotary import RopeLayout
 from models.layers import RMSNorm, apply_rope, rope_cos_sin
 
 SLIDING = "sliding_attention"
@@ -170,6 +171,13 @@ class Gemma3ForCausalLM(nn.Module):
             groups.append(KVCacheGroup(spec, full))
         return groups
 
+    def _rope_kind(self, layer_id: int) -> str:
+        return SLIDING if self.model.layers[layer_id].kind == SLIDING else FULL
+
+    def cached_key_rope(self, layer_id: int) -> RopeLayout:
+        """How a layer's cached keys were rotated: half-split, with its kind's rope base."""
+        return RopeLayout(getattr(self, f"{self._rope_kind(layer_id)}_inv_freq"))
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
         x = self.model.embed_tokens(input_ids)
         # Rounded through fp32 to the model dtype, as the reference does (bf16: sqrt(640) -> 25.25).
@@ -179,8 +187,8 @@ class Gemma3ForCausalLM(nn.Module):
             kind: rope_cos_sin(positions, getattr(self, f"{kind}_inv_freq"), x.dtype)
             for kind in (FULL, SLIDING)
         }
-        for layer in self.model.layers:
-            cos, sin = rope[SLIDING if layer.kind == SLIDING else FULL]
+        for i, layer in enumerate(self.model.layers):
+            cos, sin = rope[self._rope_kind(i)]
             x = layer(x, cos, sin, ctx)
         return self.model.norm(x)
 

@@ -16,7 +16,10 @@ from engine import LLM, SamplingParams
 from engine.config import ModelConfig
 from engine.kv_spec import FullAttentionSpec, SlidingWindowSpec
 from kernels import reference
+from kernels.rotary import rotate_cached_keys
 from models.gemma3 import Gemma3ForCausalLM, rope_parameters
+from models.layers import apply_rope, rope_cos_sin
+from models.loader import load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -132,6 +135,22 @@ def test_rope_and_layer_pattern_read_from_older_flat_config_keys():
     groups = Gemma3ForCausalLM.kv_cache_groups(cfg, "float32")
     assert groups[1].layer_ids == (5, 11)
     assert groups[0].spec.window == 1024
+
+
+def test_context_shift_rotates_each_layer_with_its_own_rope_base(tiny):
+    """A key cached at position p and re-rotated by -d equals the key rotated at p - d, with the
+    local base on sliding layers and the global one on full layers, as transformers has them."""
+    path, hf = tiny
+    model = load_model(ModelConfig.from_dir(path), torch.float32, torch.device("cpu"))
+    key = torch.randn(BLOCK, 2, 32, generator=torch.Generator().manual_seed(0))
+    positions, delta = torch.arange(1000, 1000 + BLOCK), 600
+    for layer_id, kind in enumerate(TINY_LAYERS):
+        layout = model.cached_key_rope(layer_id)
+        assert torch.equal(layout.inv_freq, getattr(hf.model.rotary_emb, f"{kind}_inv_freq"))
+        cache = apply_rope(key, *rope_cos_sin(positions, layout.inv_freq, key.dtype))[None]
+        rotate_cached_keys(cache, torch.tensor([0]), -delta, layout)
+        moved = apply_rope(key, *rope_cos_sin(positions - delta, layout.inv_freq, key.dtype))
+        torch.testing.assert_close(cache[0], moved, atol=1e-3, rtol=0)
 
 
 def write_once_per_slot(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
