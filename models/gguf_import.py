@@ -129,6 +129,10 @@ class _Arch:
 
 
 def _common_config(meta: Metadata, tied: bool) -> dict[str, Any]:
+    scaling = meta.arch_get("rope.scaling.type", "none")
+    if scaling != "none" and meta.arch_get("rope.scaling.factor", 1.0) != 1.0:
+        # Which layers a scaled rope applies to differs per family; refuse rather than guess.
+        raise ValueError(f"GGUF rope scaling {scaling!r} is not supported")
     n_heads = int(meta.require("attention.head_count"))
     hidden = int(meta.require("embedding_length"))
     head_dim = meta.arch_get("attention.key_length") or meta.arch_get("rope.dimension_count")
@@ -410,7 +414,7 @@ def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", "utf-8")
 
 
 def convert_gguf(
@@ -439,7 +443,11 @@ def convert_gguf(
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         w = arch.fix_tensor(t.name, w, config)
         tensors[_hf_tensor_name(t.name, arch.layer_tensors)] = np.ascontiguousarray(w)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    weights = out / "model.safetensors"
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    # safetensors leaves its file private (0600); a cache shared with a server running as another
+    # user needs it readable like the JSON files beside it.
+    weights.chmod(0o644)
     del tensors
 
     build_tokenizer(meta).save(str(out / "tokenizer.json"))

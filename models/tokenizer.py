@@ -15,7 +15,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return json.loads(path.read_text("utf-8")) if path.is_file() else {}
 
 
 def _token_text(value: Any) -> str | None:
@@ -127,7 +127,7 @@ class Tokenizer:
         template = tcfg.get("chat_template")
         jinja_file = folder / "chat_template.jinja"
         if template is None and jinja_file.is_file():
-            template = jinja_file.read_text()
+            template = jinja_file.read_text("utf-8")
         if isinstance(template, list):
             # A list of named templates; the one named "default" is the chat one.
             named = {t.get("name"): t.get("template") for t in template}
