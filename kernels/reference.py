@@ -59,15 +59,31 @@ def decode_attention(
     scale: float,
     window: int = 0,
 ) -> torch.Tensor:
-    """One query token per sequence (already written to the cache) -> [B, Hq, Dv]."""
-    out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=q.dtype, device=q.device)
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        start = max(0, seq_len - window) if window > 0 else 0
-        pos = torch.arange(start, seq_len, device=q.device)
-        k = gather_cache(k_cache, block_tables[i], pos, window)
-        v = gather_cache(v_cache, block_tables[i], pos, window)
-        out[i] = _attend(q[i : i + 1], k, v, scale)[0]
-    return out
+    """One query token per sequence (already written to the cache) -> [B, Hq, Dv].
+
+    Each sequence's context is gathered through its block table, padded to the longest one,
+    and the padding masked out of the softmax.
+    """
+    batch, hq, dk = q.shape
+    block_size = k_cache.shape[1]
+    lens = seq_lens.long()
+    starts = (lens - window).clamp(min=0) if window > 0 else torch.zeros_like(lens)
+    span = int((lens - starts).max())
+    pos = starts[:, None] + torch.arange(span, device=q.device)[None, :]  # [B, S]
+    valid = pos < lens[:, None]
+    pos = torch.where(valid, pos, starts[:, None])  # padding reads a real row, then is masked
+    logical = pos // block_size
+    if window > 0:
+        logical = logical % block_tables.shape[1]
+    blocks = torch.gather(block_tables.long(), 1, logical)
+    k = k_cache[blocks, pos % block_size].float()  # [B, S, Hkv, Dk]
+    v = v_cache[blocks, pos % block_size].float()
+    hkv = k.shape[2]
+    qf = q.float().view(batch, hkv, hq // hkv, dk)
+    scores = torch.einsum("bhgd,bshd->bhgs", qf, k) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    out = torch.einsum("bhgs,bshd->bhgd", torch.softmax(scores, dim=-1), v)
+    return out.reshape(batch, hq, v.shape[-1]).to(q.dtype)
 
 
 def prefill_attention(

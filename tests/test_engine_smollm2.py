@@ -44,7 +44,7 @@ def hf_model(smollm2_dir):
 def test_concurrent_greedy_tokens_equal_transformers(llm, hf_model):
     prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     assert len(prompt_ids[3]) > 3 * 96  # really chunked
-    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=0)
+    params = SamplingParams(max_tokens=32, temperature=0, logprobs=0)
     outs = llm.generate(prompt_ids, params)
     for ids, out in zip(prompt_ids, outs):
         with torch.no_grad():
