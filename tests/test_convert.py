@@ -210,6 +210,31 @@ def test_gemma3_layout_not_stored_in_the_file(tmp_path):
     assert Tokenizer.from_dir(out).has_chat_template
 
 
+def test_fetch_is_atomic_and_converts_once(tmp_path, monkeypatch):
+    import models.fetch as fetch_module
+
+    source = tmp_path / "tiny.gguf"
+    _write_tiny_llama(source, np.random.default_rng(0))
+    monkeypatch.setattr(fetch_module, "gguf_path", lambda alias, home, progress: source)
+    home = tmp_path / "home"
+
+    def interrupted(gguf_file, out_dir, **kwargs):
+        Path(out_dir).mkdir(parents=True)
+        (Path(out_dir) / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fetch_module, "convert_gguf", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        fetch("smollm2-135m-instruct", home=home, progress=False)
+    assert list((home / "models").iterdir()) == []
+
+    monkeypatch.setattr(fetch_module, "convert_gguf", convert_gguf)
+    folder = fetch("smollm2-135m-instruct", home=home, progress=False)
+    assert folder == home / "models" / "smollm2-135m-instruct" and (folder / MARKER).is_file()
+    monkeypatch.setattr(fetch_module, "convert_gguf", interrupted)
+    assert fetch("smollm2-135m-instruct", home=home, progress=False) == folder
+
+
 def test_resolve_model_accepts_folders_and_rejects_unknown_names(tmp_path):
     assert resolve_model(str(tmp_path)) == tmp_path
     with pytest.raises(ValueError, match="smollm2-135m-instruct"):
