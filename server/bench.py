@@ -889,18 +889,32 @@ def build_parser() -> argparse.ArgumentParser:
     target = p.add_argument_group("target")
     target.add_argument("--base-url", default=DEFAULT_BASE_URL)
     target.add_argument("--model", help="default: the first model of GET /models")
-    target.add_argument("--endpoint", choices=sorted(ENDPOINT_PATHS), default="completions")
+    target.add_argument("--api-key", help="sent as a Bearer token")
     target.add_argument(
+        "--allow-remote", action="store_true", help="allow a target whose host is not loopback"
+    )
+    add_workload_arguments(p)
+    out = p.add_argument_group("output")
+    out.add_argument("--result-json", metavar="PATH")
+    out.add_argument("--plot-dir", metavar="DIR")
+    out.add_argument("--no-progress", dest="progress", action="store_false")
+    return p
+
+
+def add_workload_arguments(p: argparse.ArgumentParser, seed: bool = True) -> None:
+    """The flags that describe the load, shared by `kvserve bench` and `kvserve tune`.
+
+    ``seed=False`` leaves ``--seed`` to a parser that already has one (the engine's flags).
+    """
+    req = p.add_argument_group("requests")
+    req.add_argument("--endpoint", choices=sorted(ENDPOINT_PATHS), default="completions")
+    req.add_argument(
         "--no-stream",
         dest="stream",
         action="store_false",
         help="one JSON reply per request (no TTFT/ITL)",
     )
-    target.add_argument("--api-key", help="sent as a Bearer token")
-    target.add_argument(
-        "--allow-remote", action="store_true", help="allow a target whose host is not loopback"
-    )
-    target.add_argument("--request-timeout", type=float, default=300.0, metavar="S")
+    req.add_argument("--request-timeout", type=float, default=300.0, metavar="S")
     load = p.add_argument_group("load")
     load.add_argument("--num-prompts", type=int, default=100)
     load.add_argument(
@@ -925,7 +939,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="gamma shape: 1 Poisson, <1 burstier, >1 more even",
     )
     load.add_argument("--max-concurrency", type=int, metavar="N")
-    load.add_argument("--seed", type=int, default=0)
+    if seed:
+        load.add_argument("--seed", type=int, default=0)
     work = p.add_argument_group("prompts")
     work.add_argument("--input-len", type=int, default=256)
     work.add_argument("--output-len", type=int, default=128)
@@ -968,27 +983,22 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="do not size prompts with the server's /tokenize",
     )
-    out = p.add_argument_group("measurement and output")
-    out.add_argument("--slo", type=SLO.parse, default=SLO(), metavar="ttft=MS,tpot=MS[,e2e=MS]")
-    out.add_argument(
+    meas = p.add_argument_group("measurement")
+    meas.add_argument("--slo", type=SLO.parse, default=SLO(), metavar="ttft=MS,tpot=MS[,e2e=MS]")
+    meas.add_argument(
         "--scrape-interval",
         type=float,
         default=0.5,
         metavar="S",
         help="/metrics sampling period; 0 turns scraping off",
     )
-    out.add_argument("--result-json", metavar="PATH")
-    out.add_argument("--plot-dir", metavar="DIR")
-    out.add_argument("--no-progress", dest="progress", action="store_false")
-    return p
 
 
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
+def workload_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """BenchConfig fields from the flags of ``add_workload_arguments``."""
     if not isinstance(args.extra_body, dict):
         raise ValueError("--extra-body must be a JSON object")
-    return BenchConfig(
-        base_url=args.base_url,
-        model=args.model,
+    return dict(
         endpoint=args.endpoint,
         stream=args.stream,
         num_prompts=args.num_prompts,
@@ -1010,9 +1020,17 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         scrape_interval_s=args.scrape_interval,
         request_timeout_s=args.request_timeout,
         calibrate=args.calibrate,
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    return BenchConfig(
+        base_url=args.base_url,
+        model=args.model,
         api_key=args.api_key,
         allow_remote=args.allow_remote,
         show_progress=args.progress,
+        **workload_from_args(args),
     )
 
 
