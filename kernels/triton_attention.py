@@ -1,0 +1,618 @@
+"""Triton paged attention: cache write, split-K decode, variable-length prefill over a prefix.
+
+Signatures match ``kernels.reference``. Layouts (see there): caches ``[N, bs, Hkv, D]`` with any
+strides (v may be a view of k, as for MLA), block tables ``[B, W]`` int32, a ring of width W when
+``window > 0``.
+
+Design:
+  - One program owns all query heads of one KV head (or a tile of them when the group is large,
+    as MLA's 128 heads): each K/V tile is loaded once and multiplied against the whole group.
+  - Softmax is online, in fp32 and base 2 (``scale * log2 e`` folded into the scores).
+  - A key width that is not a power of two (576 = 512 + 64) is two dots, a power-of-two part and
+    a masked tail, so no lane is wasted on padding to 1024.
+  - Decode splits the context into ``num_splits`` parts (flash-decoding) that write a partial
+    output and its log-sum-exp; a second kernel merges them. The split count comes from the
+    table width, not from ``seq_lens``, so choosing it never waits for the device.
+  - Sliding window: only positions in ``[p - window + 1, p]`` are visited, so the cost per token
+    is bounded by the window whatever the context length.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _write_cache_kernel(
+    cache_ptr,
+    rows_ptr,
+    slot_ptr,
+    stride_cn,
+    stride_cb,
+    stride_ch,
+    stride_cd,
+    stride_rt,
+    stride_rh,
+    stride_rd,
+    BS: tl.constexpr,
+    D: tl.constexpr,
+    WIDTH: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0)
+    idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    mask = idx < tl.where(slot >= 0, WIDTH, 0)
+    h = idx // D
+    d = idx % D
+    row = tl.load(
+        rows_ptr + token.to(tl.int64) * stride_rt + h * stride_rh + d * stride_rd, mask=mask
+    )
+    dst = cache_ptr + (slot // BS) * stride_cn + (slot % BS) * stride_cb + h * stride_ch
+    tl.store(dst + d * stride_cd, row.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_tile(
+    base, row_off, valid, stride_d, D_OFF: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    d = tl.arange(0, BLOCK_D)
+    ptrs = base + row_off[:, None] + (D_OFF + d)[None, :] * stride_d
+    return tl.load(ptrs, mask=valid[:, None] & (d < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_query(
+    q_ptr,
+    row_off,
+    valid,
+    stride_d,
+    dtype,
+    D_OFF: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    return _load_tile(q_ptr, row_off, valid, stride_d, D_OFF, D, BLOCK_D).to(dtype)
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # The interpreter keeps bf16 as raw uint16 and its dot multiplies the bit patterns
+    # (triton-lang/triton#11584); fp32 operands give the GPU's products exactly.
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _scores(
+    q1,
+    q2,
+    k_ptr,
+    k_off,
+    valid,
+    stride_kd,
+    qk_scale,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    BLOCK_D1: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    k1 = _load_tile(k_ptr, k_off, valid, stride_kd, 0, D1, BLOCK_D1)
+    s = _dot(q1, tl.trans(k1), PRECISION, UPCAST)
+    if D2 > 0:
+        k2 = _load_tile(k_ptr, k_off, valid, stride_kd, D1, D2, BLOCK_D2)
+        s += _dot(q2, tl.trans(k2), PRECISION, UPCAST)
+    return s * qk_scale
+
+
+@triton.jit
+def _softmax_step(acc, m_i, l_i, s, mask, v, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    s = tl.where(mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row with nothing visible yet keeps m = -inf; shifting by 0 keeps exp2 away from NaN.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_shift)
+    p = tl.exp2(s - m_shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_paged(
+    acc,
+    m_i,
+    l_i,
+    q1,
+    q2,
+    q_pos,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    ring_len,
+    lo,
+    hi,
+    window,
+    qk_scale,
+    stride_kn,
+    stride_kb,
+    stride_kd,
+    stride_vn,
+    stride_vb,
+    stride_vd,
+    BS: tl.constexpr,
+    RING: tl.constexpr,
+    ROW_WINDOW: tl.constexpr,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D1: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Positions [lo, hi) of one sequence, read from the cache through its block table."""
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < hi
+        logical = pos // BS
+        if RING:
+            logical = logical % ring_len
+        block = tl.load(table_ptr + logical, mask=valid, other=0).to(tl.int64)
+        in_block = pos % BS
+        k_off = block * stride_kn + in_block * stride_kb
+        s = _scores(
+            q1,
+            q2,
+            k_ptr,
+            k_off,
+            valid,
+            stride_kd,
+            qk_scale,
+            D1,
+            D2,
+            BLOCK_D1,
+            BLOCK_D2,
+            PRECISION,
+            UPCAST,
+        )
+        mask = valid[None, :]
+        if ROW_WINDOW:
+            mask = mask & (pos[None, :] > q_pos[:, None] - window)
+        v_off = block * stride_vn + in_block * stride_vb
+        v = _load_tile(v_ptr, v_off, valid, stride_vd, 0, DV, BLOCK_DV)
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, mask, v, PRECISION, UPCAST)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    qk_scale,
+    window,
+    ring_len,
+    num_heads,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_kn,
+    stride_kb,
+    stride_kh,
+    stride_kd,
+    stride_vn,
+    stride_vb,
+    stride_vh,
+    stride_vd,
+    stride_tb,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    GROUP: tl.constexpr,
+    HEAD_TILES: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BS: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D1: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1) // HEAD_TILES
+    g = (tl.program_id(1) % HEAD_TILES) * BLOCK_G + tl.arange(0, BLOCK_G)
+    head_ok = g < GROUP
+    head = kv_head * GROUP + g
+    split = tl.program_id(2)
+
+    kv_dtype = k_ptr.dtype.element_ty
+    q_row = seq.to(tl.int64) * stride_qb + head * stride_qh
+    q1 = _load_query(q_ptr, q_row, head_ok, stride_qd, kv_dtype, 0, D1, BLOCK_D1)
+    q2 = _load_query(q_ptr, q_row, head_ok, stride_qd, kv_dtype, D1, D2, BLOCK_D2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo = 0
+    if WINDOWED:
+        lo = tl.maximum(seq_len - window, 0)
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_lo = lo + split * per_split
+    split_hi = tl.minimum(split_lo + per_split, seq_len)
+
+    q_pos = tl.zeros([BLOCK_G], dtype=tl.int32) + seq_len - 1
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc, m_i, l_i = _attend_paged(
+        acc, m_i, l_i, q1, q2, q_pos, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
+        table_ptr + seq.to(tl.int64) * stride_tb, ring_len, split_lo, split_hi, window, qk_scale,
+        stride_kn, stride_kb, stride_kd, stride_vn, stride_vb, stride_vd,
+        BS, WINDOWED, False, D1, D2, DV, BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV, PRECISION, UPCAST,
+    )  # fmt: skip
+
+    dv = tl.arange(0, BLOCK_DV)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    store_mask = head_ok[:, None] & (dv < DV)[None, :]
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + head[:, None] * stride_oh
+        tl.store(
+            o_ptrs + dv[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=store_mask
+        )
+    else:
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+        flat = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_lse_ptr + flat, lse, mask=head_ok)
+        tl.store(part_out_ptr + flat[:, None] * DV + dv[None, :], out, mask=store_mask)
+
+
+@triton.jit
+def _merge_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    num_heads,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    NUM_SPLITS: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.arange(0, BLOCK_S)
+    dv = tl.arange(0, BLOCK_DV)
+    part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
+    lse = tl.load(part_lse_ptr + part, mask=split < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    o_mask = (split < NUM_SPLITS)[:, None] & (dv < DV)[None, :]
+    o = tl.load(part_out_ptr + part[:, None] * DV + dv[None, :], mask=o_mask, other=0.0)
+    total = tl.sum(weight, 0)
+    out = tl.sum(weight[:, None] * o, 0) / tl.where(total == 0.0, 1.0, total)
+    o_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + dv * stride_od
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    table_ptr,
+    cu_ptr,
+    prefix_ptr,
+    out_ptr,
+    qk_scale,
+    window,
+    ring_len,
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_kcn,
+    stride_kcb,
+    stride_kch,
+    stride_kcd,
+    stride_vcn,
+    stride_vcb,
+    stride_vch,
+    stride_vcd,
+    stride_tb,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    GROUP: tl.constexpr,
+    HEAD_TILES: tl.constexpr,
+    BS: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_SEQS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D1: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # Query tiles of all sequences share axis 0 without a host-side max length: sequence i owns
+    # tiles from cu[i] // BLOCK_Q + i on, which leaves room for its ceil(n_i / BLOCK_Q) tiles.
+    tile = tl.program_id(0)
+    seqs = tl.arange(0, BLOCK_SEQS)
+    cu = tl.load(cu_ptr + seqs, mask=seqs < num_seqs, other=2**30)
+    seq = tl.sum((cu // BLOCK_Q + seqs <= tile).to(tl.int32), 0) - 1
+    q_start = tl.load(cu_ptr + seq)
+    n = tl.load(cu_ptr + seq + 1) - q_start
+    q0 = (tile - q_start // BLOCK_Q - seq) * BLOCK_Q
+    tile_ok = q0 < n
+    prefix = tl.load(prefix_ptr + seq)
+
+    kv_head = tl.program_id(1) // HEAD_TILES
+    rows = tl.arange(0, BLOCK_Q * BLOCK_G)
+    q_idx = q0 + rows // BLOCK_G
+    g = (tl.program_id(1) % HEAD_TILES) * BLOCK_G + rows % BLOCK_G
+    row_ok = (q_idx < n) & (g < GROUP)
+    head = kv_head * GROUP + g
+    token = (q_start + q_idx).to(tl.int64)
+
+    kv_dtype = k_ptr.dtype.element_ty
+    q_row = token * stride_qt + head * stride_qh
+    q1 = _load_query(q_ptr, q_row, row_ok, stride_qd, kv_dtype, 0, D1, BLOCK_D1)
+    q2 = _load_query(q_ptr, q_row, row_ok, stride_qd, kv_dtype, D1, D2, BLOCK_D2)
+    q_pos = prefix + q_idx
+
+    acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_DV], dtype=tl.float32)
+    m_i = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * BLOCK_G], dtype=tl.float32)
+
+    lo = 0
+    if WINDOWED:
+        lo = tl.maximum(prefix + q0 - window + 1, 0)
+    hi = tl.where(tile_ok, prefix, lo)
+    acc, m_i, l_i = _attend_paged(
+        acc, m_i, l_i, q1, q2, q_pos, k_cache_ptr + kv_head * stride_kch,
+        v_cache_ptr + kv_head * stride_vch, table_ptr + seq.to(tl.int64) * stride_tb, ring_len,
+        lo, hi, window, qk_scale, stride_kcn, stride_kcb, stride_kcd, stride_vcn, stride_vcb,
+        stride_vcd, BS, WINDOWED, WINDOWED, D1, D2, DV, BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV,
+        PRECISION, UPCAST,
+    )  # fmt: skip
+
+    # The chunk's own keys come from k/v (not yet in the cache), causally.
+    j_lo = 0
+    if WINDOWED:
+        j_lo = tl.maximum(q0 - window + 1, 0)
+    j_hi = tl.where(tile_ok, tl.minimum(n, q0 + BLOCK_Q), j_lo)
+    k_base = k_ptr + q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+    v_base = v_ptr + q_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+    for start in range(j_lo, j_hi, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        valid = j < j_hi
+        k_off = j.to(tl.int64) * stride_kt
+        s = _scores(
+            q1,
+            q2,
+            k_base,
+            k_off,
+            valid,
+            stride_kd,
+            qk_scale,
+            D1,
+            D2,
+            BLOCK_D1,
+            BLOCK_D2,
+            PRECISION,
+            UPCAST,
+        )
+        mask = valid[None, :] & (j[None, :] <= q_idx[:, None])
+        if WINDOWED:
+            mask = mask & (j[None, :] > q_idx[:, None] - window)
+        v = _load_tile(v_base, j.to(tl.int64) * stride_vt, valid, stride_vd, 0, DV, BLOCK_DV)
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, mask, v, PRECISION, UPCAST)
+
+    dv = tl.arange(0, BLOCK_DV)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_ptrs = (
+        out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :] * stride_od
+    )
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv < DV)[None, :])
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(n))
+
+
+def _split_head_dim(dk: int) -> tuple[int, int]:
+    """Key width as a power-of-two part plus a tail (576 -> 512 + 64); tail 0 when dk is 2^k."""
+    d1 = 1 << (dk.bit_length() - 1)
+    return (d1, dk - d1) if d1 >= 16 else (dk, 0)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _interpreted() -> bool:
+    return not isinstance(_decode_kernel, triton.runtime.JITFunction)
+
+
+def _common_meta(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> dict:
+    d1, d2 = _split_head_dim(q.shape[-1])
+    block_dv = _pow2(v_cache.shape[-1])
+    fp32 = k_cache.dtype == torch.float32
+    return dict(
+        D1=d1,
+        D2=d2,
+        DV=v_cache.shape[-1],
+        BLOCK_D1=_pow2(d1),
+        BLOCK_D2=_pow2(d2),
+        BLOCK_DV=block_dv,
+        BLOCK_N=64 if _pow2(d1) + (_pow2(d2) if d2 else 0) <= 256 else 32,
+        # fp32 caches are for tests and the CPU; tf32 would lose what they are there to check.
+        PRECISION="ieee" if fp32 else "tf32",
+        UPCAST=not fp32 and _interpreted(),
+        num_warps=4 if block_dv <= 128 else 8,
+    )
+
+
+def _rows_budget(block_dv: int) -> int:
+    """Query rows per program, so the fp32 accumulator stays near 8K values."""
+    return max(16, min(64, 8192 // block_dv))
+
+
+def choose_num_splits(
+    batch: int, programs_per_seq: int, max_context: int, device: torch.device
+) -> int:
+    """Split the context when the grid alone would leave SMs idle and each part stays long.
+
+    ``max_context`` is an upper bound from the table width (no device sync to read seq_lens).
+    On the interpreter one split is cheapest: there is no parallelism to win.
+    """
+    if device.type != "cuda":
+        return 1
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    programs = batch * programs_per_seq
+    if programs >= sms:
+        return 1
+    wanted = triton.cdiv(2 * sms, programs)
+    longest = max(1, max_context // 256)
+    return max(1, min(wanted, longest, 64))
+
+
+def write_cache(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter ``rows`` ([T, H, D]) into ``cache`` ([N, bs, H, D]); slot -1 is skipped."""
+    num_tokens = rows.shape[0]
+    if num_tokens == 0:
+        return
+    _, block_size, heads, dim = cache.shape
+    assert rows.shape[1:] == (heads, dim), (rows.shape, cache.shape)
+    width = heads * dim
+    block = min(triton.next_power_of_2(width), 1024)
+    grid = (num_tokens, triton.cdiv(width, block))
+    _write_cache_kernel[grid](
+        cache, rows, slot_mapping, *cache.stride(), *rows.stride(),
+        BS=block_size, D=dim, WIDTH=width, BLOCK=block,
+    )  # fmt: skip
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """One query token per sequence (already written to the cache) -> [B, Hq, Dv]."""
+    batch, num_heads, _ = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    dv = v_cache.shape[-1]
+    out = torch.empty(batch, num_heads, dv, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    group = num_heads // num_kv_heads
+    meta = _common_meta(q, k_cache, v_cache)
+    block_g = min(_pow2(group), _rows_budget(meta["BLOCK_DV"]))
+    head_tiles = triton.cdiv(group, block_g)
+    ring_len = block_tables.shape[1]
+    if num_splits is None:
+        max_context = ring_len * block_size
+        if window > 0:
+            max_context = min(max_context, window)
+        num_splits = choose_num_splits(batch, num_kv_heads * head_tiles, max_context, q.device)
+    if num_splits > 1:
+        part_out = torch.empty(
+            batch, num_heads, num_splits, dv, dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out
+    grid = (batch, num_kv_heads * head_tiles, num_splits)
+    _decode_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        scale * _LOG2E, window, ring_len, num_heads,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
+        GROUP=group, HEAD_TILES=head_tiles, NUM_SPLITS=num_splits, BS=block_size,
+        WINDOWED=window > 0, BLOCK_G=block_g, **meta,
+    )  # fmt: skip
+    if num_splits > 1:
+        _merge_kernel[(batch, num_heads)](
+            part_out, part_lse, out, num_heads, *out.stride(),
+            NUM_SPLITS=num_splits, DV=dv, BLOCK_S=_pow2(num_splits, 1), BLOCK_DV=meta["BLOCK_DV"],
+        )  # fmt: skip
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
+) -> torch.Tensor:
+    """Chunks of new tokens attending causally to themselves and to their cached prefix."""
+    num_tokens, num_heads, _ = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty(num_tokens, num_heads, v.shape[-1], dtype=q.dtype, device=q.device)
+    batch = prefix_lens.shape[0]
+    if num_tokens == 0 or batch == 0:
+        return out
+    group = num_heads // num_kv_heads
+    meta = _common_meta(q, k_cache, v_cache)
+    rows = _rows_budget(meta["BLOCK_DV"])
+    block_g = min(triton.next_power_of_2(group), rows)
+    block_q = rows // block_g
+    head_tiles = triton.cdiv(group, block_g)
+    grid = (num_tokens // block_q + batch, num_kv_heads * head_tiles)
+    _prefill_kernel[grid](
+        q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, out,
+        scale * _LOG2E, window, block_tables.shape[1], batch,
+        *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        block_tables.stride(0), *out.stride(),
+        GROUP=group, HEAD_TILES=head_tiles, BS=block_size, WINDOWED=window > 0,
+        BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_SEQS=_pow2(batch, 1), **meta,
+    )  # fmt: skip
+    return out
