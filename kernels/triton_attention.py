@@ -59,76 +59,7 @@ def _write_cache_kernel(
 
 
 @triton.jit
-def _load_tile(
-    base, row_off, valid, stride_d, D_OFF: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr
-):
-    d = tl.arange(0, BLOCK_D)
-    ptrs = base + row_off[:, None] + (D_OFF + d)[None, :] * stride_d
-    return tl.load(ptrs, mask=valid[:, None] & (d < D)[None, :], other=0.0)
-
-
-@triton.jit
-def _load_query(
-    q_ptr,
-    row_off,
-    valid,
-    stride_d,
-    dtype,
-    D_OFF: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    return _load_tile(q_ptr, row_off, valid, stride_d, D_OFF, D, BLOCK_D).to(dtype)
-
-
-@triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    # The interpreter keeps bf16 as raw uint16 and its dot multiplies the bit patterns
-    # (triton-lang/triton#11584); fp32 operands give the GPU's products exactly.
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
-
-
-@triton.jit
-def _scores(
-    q1,
-    q2,
-    k_ptr,
-    k_off,
-    valid,
-    stride_kd,
-    qk_scale,
-    D1: tl.constexpr,
-    D2: tl.constexpr,
-    BLOCK_D1: tl.constexpr,
-    BLOCK_D2: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    k1 = _load_tile(k_ptr, k_off, valid, stride_kd, 0, D1, BLOCK_D1)
-    s = _dot(q1, tl.trans(k1), PRECISION, UPCAST)
-    if D2 > 0:
-        k2 = _load_tile(k_ptr, k_off, valid, stride_kd, D1, D2, BLOCK_D2)
-        s += _dot(q2, tl.trans(k2), PRECISION, UPCAST)
-    return s * qk_scale
-
-
-@triton.jit
-def _softmax_step(acc, m_i, l_i, s, mask, v, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    s = tl.where(mask, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row with nothing visible yet keeps m = -inf; shifting by 0 keeps exp2 away from NaN.
-    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_shift)
-    p = tl.exp2(s - m_shift[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _attend_paged(
+def _attend(
     acc,
     m_i,
     l_i,
@@ -149,9 +80,11 @@ def _attend_paged(
     stride_vn,
     stride_vb,
     stride_vd,
+    PAGED: tl.constexpr,
     BS: tl.constexpr,
     RING: tl.constexpr,
-    ROW_WINDOW: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOWED: tl.constexpr,
     D1: tl.constexpr,
     D2: tl.constexpr,
     DV: tl.constexpr,
@@ -162,38 +95,95 @@ def _attend_paged(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Positions [lo, hi) of one sequence, read from the cache through its block table."""
+    """Fold keys at positions [lo, hi) into the online softmax of the query rows.
+
+    PAGED: position p is read from the cache through the block table (a ring when RING).
+    Otherwise p is a row index into contiguous k/v (the new tokens of a prefill chunk).
+    ``q_pos`` are the rows' positions in the same coordinates, for the causal/window masks.
+    The loop body is written out rather than split into helpers: the interpreter re-patches
+    triton.language on every device-function call, which would dominate the test run time.
+    """
+    d1 = tl.arange(0, BLOCK_D1)
+    d2 = D1 + tl.arange(0, BLOCK_D2)
+    dv = tl.arange(0, BLOCK_DV)
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < hi
-        logical = pos // BS
-        if RING:
-            logical = logical % ring_len
-        block = tl.load(table_ptr + logical, mask=valid, other=0).to(tl.int64)
-        in_block = pos % BS
-        k_off = block * stride_kn + in_block * stride_kb
-        s = _scores(
-            q1,
-            q2,
-            k_ptr,
-            k_off,
-            valid,
-            stride_kd,
-            qk_scale,
-            D1,
-            D2,
-            BLOCK_D1,
-            BLOCK_D2,
-            PRECISION,
-            UPCAST,
-        )
+        if PAGED:
+            logical = pos // BS
+            if RING:
+                logical = logical % ring_len
+            block = tl.load(table_ptr + logical, mask=valid, other=0).to(tl.int64)
+            k_off = block * stride_kn + (pos % BS) * stride_kb
+            v_off = block * stride_vn + (pos % BS) * stride_vb
+        else:
+            k_off = pos.to(tl.int64) * stride_kn
+            v_off = pos.to(tl.int64) * stride_vn
+
+        k_mask = valid[:, None] & (d1 < D1)[None, :]
+        k1 = tl.load(k_ptr + k_off[:, None] + d1[None, :] * stride_kd, mask=k_mask, other=0.0)
+        if UPCAST:
+            k1 = k1.to(tl.float32)
+        s = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
+        if D2 > 0:
+            k_mask = valid[:, None] & (d2 < D1 + D2)[None, :]
+            k2 = tl.load(k_ptr + k_off[:, None] + d2[None, :] * stride_kd, mask=k_mask, other=0.0)
+            if UPCAST:
+                k2 = k2.to(tl.float32)
+            s += tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
+        s = s * qk_scale
+
         mask = valid[None, :]
-        if ROW_WINDOW:
+        if CAUSAL:
+            mask = mask & (pos[None, :] <= q_pos[:, None])
+        if WINDOWED:
             mask = mask & (pos[None, :] > q_pos[:, None] - window)
-        v_off = block * stride_vn + in_block * stride_vb
-        v = _load_tile(v_ptr, v_off, valid, stride_vd, 0, DV, BLOCK_DV)
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, mask, v, PRECISION, UPCAST)
+        s = tl.where(mask, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with nothing visible yet keeps m = -inf; shifting by 0 keeps exp2 off NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(s - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+        v_mask = valid[:, None] & (dv < DV)[None, :]
+        v = tl.load(v_ptr + v_off[:, None] + dv[None, :] * stride_vd, mask=v_mask, other=0.0)
+        p = p.to(v.dtype)
+        if UPCAST:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
     return acc, m_i, l_i
+
+
+@triton.jit
+def _load_query(
+    q_ptr,
+    row_off,
+    valid,
+    stride_d,
+    dtype,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    BLOCK_D1: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Query rows as the power-of-two part and the tail of the key width, in the cache dtype."""
+    d1 = tl.arange(0, BLOCK_D1)
+    d2 = D1 + tl.arange(0, BLOCK_D2)
+    ptrs = q_ptr + row_off[:, None]
+    q1 = tl.load(ptrs + d1[None, :] * stride_d, mask=valid[:, None] & (d1 < D1)[None, :], other=0.0)
+    q2 = tl.load(
+        ptrs + d2[None, :] * stride_d, mask=valid[:, None] & (d2 < D1 + D2)[None, :], other=0.0
+    )
+    q1 = q1.to(dtype)
+    q2 = q2.to(dtype)
+    if UPCAST:
+        q1 = q1.to(tl.float32)
+        q2 = q2.to(tl.float32)
+    return q1, q2
 
 
 @triton.jit
@@ -250,8 +240,9 @@ def _decode_kernel(
 
     kv_dtype = k_ptr.dtype.element_ty
     q_row = seq.to(tl.int64) * stride_qb + head * stride_qh
-    q1 = _load_query(q_ptr, q_row, head_ok, stride_qd, kv_dtype, 0, D1, BLOCK_D1)
-    q2 = _load_query(q_ptr, q_row, head_ok, stride_qd, kv_dtype, D1, D2, BLOCK_D2)
+    q1, q2 = _load_query(
+        q_ptr, q_row, head_ok, stride_qd, kv_dtype, D1, D2, BLOCK_D1, BLOCK_D2, UPCAST
+    )
 
     seq_len = tl.load(seq_lens_ptr + seq)
     lo = 0
@@ -265,11 +256,13 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc, m_i, l_i = _attend_paged(
+    # The split range already starts inside the window: no per-row window mask.
+    acc, m_i, l_i = _attend(
         acc, m_i, l_i, q1, q2, q_pos, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
         table_ptr + seq.to(tl.int64) * stride_tb, ring_len, split_lo, split_hi, window, qk_scale,
         stride_kn, stride_kb, stride_kd, stride_vn, stride_vb, stride_vd,
-        BS, WINDOWED, False, D1, D2, DV, BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV, PRECISION, UPCAST,
+        True, BS, WINDOWED, False, False, D1, D2, DV, BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV,
+        PRECISION, UPCAST,
     )  # fmt: skip
 
     dv = tl.arange(0, BLOCK_DV)
@@ -392,9 +385,9 @@ def _prefill_kernel(
 
     kv_dtype = k_ptr.dtype.element_ty
     q_row = token * stride_qt + head * stride_qh
-    q1 = _load_query(q_ptr, q_row, row_ok, stride_qd, kv_dtype, 0, D1, BLOCK_D1)
-    q2 = _load_query(q_ptr, q_row, row_ok, stride_qd, kv_dtype, D1, D2, BLOCK_D2)
-    q_pos = prefix + q_idx
+    q1, q2 = _load_query(
+        q_ptr, q_row, row_ok, stride_qd, kv_dtype, D1, D2, BLOCK_D1, BLOCK_D2, UPCAST
+    )
 
     acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -404,45 +397,28 @@ def _prefill_kernel(
     if WINDOWED:
         lo = tl.maximum(prefix + q0 - window + 1, 0)
     hi = tl.where(tile_ok, prefix, lo)
-    acc, m_i, l_i = _attend_paged(
-        acc, m_i, l_i, q1, q2, q_pos, k_cache_ptr + kv_head * stride_kch,
+    # Every cached position precedes every row: the window is the only per-row mask.
+    acc, m_i, l_i = _attend(
+        acc, m_i, l_i, q1, q2, prefix + q_idx, k_cache_ptr + kv_head * stride_kch,
         v_cache_ptr + kv_head * stride_vch, table_ptr + seq.to(tl.int64) * stride_tb, ring_len,
         lo, hi, window, qk_scale, stride_kcn, stride_kcb, stride_kcd, stride_vcn, stride_vcb,
-        stride_vcd, BS, WINDOWED, WINDOWED, D1, D2, DV, BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV,
-        PRECISION, UPCAST,
+        stride_vcd, True, BS, WINDOWED, False, WINDOWED, D1, D2, DV, BLOCK_N, BLOCK_D1, BLOCK_D2,
+        BLOCK_DV, PRECISION, UPCAST,
     )  # fmt: skip
 
-    # The chunk's own keys come from k/v (not yet in the cache), causally.
+    # The chunk's own keys come from k/v (not yet in the cache), causally, by row index.
     j_lo = 0
     if WINDOWED:
         j_lo = tl.maximum(q0 - window + 1, 0)
     j_hi = tl.where(tile_ok, tl.minimum(n, q0 + BLOCK_Q), j_lo)
-    k_base = k_ptr + q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
-    v_base = v_ptr + q_start.to(tl.int64) * stride_vt + kv_head * stride_vh
-    for start in range(j_lo, j_hi, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
-        valid = j < j_hi
-        k_off = j.to(tl.int64) * stride_kt
-        s = _scores(
-            q1,
-            q2,
-            k_base,
-            k_off,
-            valid,
-            stride_kd,
-            qk_scale,
-            D1,
-            D2,
-            BLOCK_D1,
-            BLOCK_D2,
-            PRECISION,
-            UPCAST,
-        )
-        mask = valid[None, :] & (j[None, :] <= q_idx[:, None])
-        if WINDOWED:
-            mask = mask & (j[None, :] > q_idx[:, None] - window)
-        v = _load_tile(v_base, j.to(tl.int64) * stride_vt, valid, stride_vd, 0, DV, BLOCK_DV)
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, mask, v, PRECISION, UPCAST)
+    first = q_start.to(tl.int64)
+    acc, m_i, l_i = _attend(
+        acc, m_i, l_i, q1, q2, q_idx, k_ptr + first * stride_kt + kv_head * stride_kh,
+        v_ptr + first * stride_vt + kv_head * stride_vh, table_ptr, ring_len,
+        j_lo, j_hi, window, qk_scale, stride_kt, 0, stride_kd, stride_vt, 0, stride_vd,
+        False, BS, False, True, WINDOWED, D1, D2, DV, BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV,
+        PRECISION, UPCAST,
+    )  # fmt: skip
 
     dv = tl.arange(0, BLOCK_DV)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -475,6 +451,7 @@ def _common_meta(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
     d1, d2 = _split_head_dim(q.shape[-1])
     block_dv = _pow2(v_cache.shape[-1])
     fp32 = k_cache.dtype == torch.float32
+    upcast = not fp32 and _interpreted()
     return dict(
         D1=d1,
         D2=d2,
@@ -483,9 +460,10 @@ def _common_meta(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
         BLOCK_D2=_pow2(d2),
         BLOCK_DV=block_dv,
         BLOCK_N=64 if _pow2(d1) + (_pow2(d2) if d2 else 0) <= 256 else 32,
-        # fp32 caches are for tests and the CPU; tf32 would lose what they are there to check.
-        PRECISION="ieee" if fp32 else "tf32",
-        UPCAST=not fp32 and _interpreted(),
+        # fp32 caches are checked against fp32 references: no tf32. Under the interpreter bf16
+        # dots run on fp32 copies (it multiplies bf16 bit patterns: triton-lang/triton#11584).
+        PRECISION="ieee" if fp32 or upcast else "tf32",
+        UPCAST=upcast,
         num_warps=4 if block_dv <= 128 else 8,
     )
 
