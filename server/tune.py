@@ -303,26 +303,33 @@ def warm_up(url: str, model: str, n: int) -> None:
 def run_point(point: PointResult, workload: BenchConfig, warmup: int) -> PointResult:
     t0 = time.perf_counter()
     try:
-        with serve_engine(point.engine_args) as (engine, url, name):
-            warm_up(url, name, warmup)
-            before = engine_counters(engine)
-            config = dataclasses.replace(workload, base_url=f"{url}/v1", model=name)
-            point.bench = asyncio.run(run_benchmark(config))
-            after = engine_counters(engine)
+        point.bench, point.counters = measure(point.engine_args, workload, warmup)
     except (BenchError, KeyboardInterrupt):
         raise
     except Exception as e:  # a point that cannot start is a result; the sweep goes on
         point.error = f"{type(e).__name__}: {e}"
     else:
-        if before is not None and after is not None:
-            point.counters = {k: v - before.get(k, 0.0) for k, v in after.items()}
-        else:
-            point.counters = point.bench.metrics.counter_deltas
         point.metrics = PointMetrics.from_result(point.bench, point.counters)
     finally:
         point.wall_s = time.perf_counter() - t0
         _release_memory()
     return point
+
+
+def measure(
+    args: EngineArgs, workload: BenchConfig, warmup: int
+) -> tuple[BenchResult, dict[str, float]]:
+    """One point's benchmark and counter growth; the engine is gone when this returns (its
+    own frame holds the last reference, so the next point starts with the memory free)."""
+    with serve_engine(args) as (engine, url, name):
+        warm_up(url, name, warmup)
+        before = engine_counters(engine)
+        config = dataclasses.replace(workload, base_url=f"{url}/v1", model=name)
+        result = asyncio.run(run_benchmark(config))
+        after = engine_counters(engine)
+    if before is None or after is None:
+        return result, result.metrics.counter_deltas
+    return result, {k: v - before.get(k, 0.0) for k, v in after.items()}
 
 
 def _release_memory() -> None:
@@ -359,7 +366,8 @@ def point_line(p: PointResult) -> str:
     if p.metrics is None:
         return f"failed ({p.error}) in {p.wall_s:.1f} s"
     m = p.metrics
-    planned = p.bench.summary.completed + p.bench.summary.failed if p.bench else m.completed
+    s = p.bench.summary if p.bench else None
+    planned = s.completed + s.failed + s.cancelled + s.not_sent if s else m.completed
     parts = [
         f"{m.completed}/{planned} ok",
         f"{m.request_throughput:.2f} req/s",
@@ -496,6 +504,20 @@ def summary_lines(
     return lines
 
 
+def workload_text(w: BenchConfig) -> str:
+    if w.dataset is not None:
+        prompts = f"from {Path(w.dataset).name}"
+    else:
+        prompts = f"of {w.input_len} in / {w.output_len} out tokens"
+    if math.isinf(w.request_rate):
+        pace = "all at once"
+    else:
+        pace = f"at {w.request_rate:g} req/s"
+    if w.max_concurrency:
+        pace += f", at most {w.max_concurrency} in flight"
+    return f"{w.num_prompts} requests per point {prompts}, {pace}"
+
+
 CSV_METRICS = [f.name for f in dataclasses.fields(PointMetrics)]
 
 
@@ -538,10 +560,7 @@ class TuneReport:
 
     def markdown(self) -> str:
         best = self.best
-        head = (
-            f"kvserve tune: {Path(self.base.model).name}, {self.workload.num_prompts} requests "
-            f"per point ({self.workload.input_len} in / {self.workload.output_len} out tokens)"
-        )
+        head = f"kvserve tune: {Path(self.base.model).name}, {workload_text(self.workload)}"
         if len(self.points) < self.planned:
             head += f"; {len(self.points)} of {self.planned} points ran"
         table = markdown_table(self.points, self.names, best)
