@@ -3,22 +3,34 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
-from models.fetch import resolve_model
-from models.tokenizer import Tokenizer
 
 from engine.capacity import GIB, capacity, format_capacity, split_memory
 from engine.config import EngineArgs, ModelConfig, SchedulerConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import RequestError
+from engine.errors import QueueFullError, RequestError
 from engine.kv_manager import KVCacheManager
+from engine.metrics import EngineMetrics
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.overflow import (
+    Admission,
+    ContextOverflow,
+    ContextPolicy,
+    ContextState,
+    Drop,
+    Reject,
+    ShiftPolicy,
+    context_policy,
+)
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from kernels.backend import default_backend_name, get_backend
+from models.fetch import resolve_model
+from models.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.engine")
 
@@ -52,13 +64,37 @@ class LLMEngine:
                 groups, self._kv_memory_bytes(), args.block_size, self.max_model_len
             )
         self.runner.allocate_kv_cache(num_blocks, args.block_size)
-        self.kv = KVCacheManager(groups, num_blocks, args.block_size)
+        num_host_blocks = ()
+        if args.preemption_mode == "swap":
+            num_host_blocks = split_memory(
+                groups, int(args.swap_space_gib * GIB), args.block_size, self.max_model_len
+            )
+            self.runner.allocate_host_cache(num_host_blocks)
+        self.kv = KVCacheManager(groups, num_blocks, args.block_size, num_host_blocks)
         sched_config = SchedulerConfig(
-            args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+            self.max_model_len,
+            args.preemption_mode,
         )
-        self.scheduler = Scheduler(sched_config, self.kv, eos)
+        self.default_overflow = ContextOverflow(
+            args.context_overflow, args.context_n_keep, args.context_n_discard
+        )
+        self.scheduler = Scheduler(
+            sched_config, self.kv, eos, context_policy(self.default_overflow)
+        )
+        self.admission = Admission(args.max_queue_len, args.max_queued_tokens)
         self.capacity = capacity(groups, num_blocks, args.block_size, self.max_model_len)
+        self.metrics = EngineMetrics()
+        self.metrics.describe_cache(
+            self.capacity,
+            num_host_blocks,
+            max_model_len=self.max_model_len,
+            context_overflow=args.context_overflow,
+            preemption_mode=args.preemption_mode,
+        )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._queue_wait = 1.0  # recent time from arrival to scheduling, for Retry-After
         log.info(
             "model %s (%s, %s on %s, %s attention), max_model_len %d\n%s",
             self.model_config.name,
@@ -80,29 +116,59 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------
 
+    def context_policy(self, params: SamplingParams) -> ContextPolicy:
+        return context_policy(params.overflow or self.default_overflow)
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._admit(prompt_token_ids, params)
+
+    def _admit(
+        self, prompt_token_ids: list[int], params: SamplingParams
+    ) -> tuple[ContextPolicy, Drop | None]:
+        """The request's context policy, and the prompt tokens it drops; raises if refused."""
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("The prompt is empty.", param="prompt")
-        limit = self.max_model_len
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise RequestError(f"Token ids must be in [0, {vocab}).", param="prompt")
-        wanted = n + (params.max_tokens or 0)
-        if n >= limit or wanted > limit:
+        policy = self.context_policy(params)
+        limit, bs = self.max_model_len, self.args.block_size
+        if isinstance(policy, ShiftPolicy) and self.runner.key_rope is None:
+            self.metrics.rejected.labels("invalid_overflow").inc()
             raise RequestError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{wanted} tokens ({n} in the messages, {params.max_tokens or 0} in the "
-                "completion). Please reduce the length of the messages or completion.",
-                param="messages",
-                code="context_length_exceeded",
+                f"{self.model_config.architecture} cannot re-rotate its cached keys; "
+                f"overflow policy {policy.name!r} is not available.",
+                param="overflow",
             )
-        if not self.kv.can_ever_fit(min(limit, wanted if params.max_tokens else limit)):
+        full = [[0] * g.spec.num_blocks(limit - 1, bs) for g in self.kv.groups]
+        decision = policy.decide(
+            ContextState(
+                admission=True,
+                num_tokens=n,
+                prompt_len=n,
+                max_tokens=params.max_tokens,
+                limit=limit,
+                block_size=bs,
+                discardable=lambda keep: self.kv.max_discard(full, limit - 1, keep),
+            )
+        )
+        if isinstance(decision, Reject):
+            self.metrics.context_overflows.labels(policy.name).inc()
+            self.metrics.rejected.labels(decision.code).inc()
+            param = "overflow" if decision.code == "invalid_overflow" else "messages"
+            raise RequestError(decision.message, param=param, code=decision.code)
+        drop = decision if isinstance(decision, Drop) else None
+        kept = n - (drop.count if drop else 0)
+        wanted = kept + (params.max_tokens or limit)
+        if not self.kv.can_ever_fit(min(limit, wanted)):
+            self.metrics.rejected.labels("kv_capacity").inc()
             raise RequestError(
-                f"The KV cache cannot hold {wanted} tokens of one request; "
+                f"The KV cache cannot hold {min(limit, wanted)} tokens of one request; "
                 "reduce the request or raise --num-kv-blocks / --kv-cache-memory.",
                 param="max_tokens",
             )
+        return policy, drop
 
     def add_request(
         self,
@@ -111,8 +177,22 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
     ) -> None:
-        self.validate(prompt_token_ids, params)
+        policy, drop = self._admit(prompt_token_ids, params)
+        refused = self.admission.decide(
+            len(self.scheduler.waiting), self.scheduler.num_waiting_tokens, len(prompt_token_ids)
+        )
+        if refused is not None:
+            self.metrics.rejected.labels(refused).inc()
+            raise QueueFullError(
+                f"The server is at capacity ({len(self.scheduler.waiting)} requests waiting); "
+                "retry later.",
+                retry_after=min(60.0, max(1.0, self._queue_wait)),
+            )
         req = Request(request_id, list(prompt_token_ids), params, priority=priority)
+        req.context_policy = policy
+        if drop is not None:
+            req.drop_tokens(drop.start, drop.count)
+            self.metrics.context_overflows.labels(policy.name).inc()
         self.scheduler.add_request(req)
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params)
 
@@ -121,6 +201,7 @@ class LLMEngine:
         if req is None:
             return None
         self._detokenizers.pop(request_id, None)
+        self._finished(req)
         return RequestOutput(
             request_id,
             req.prompt_token_ids,
@@ -136,8 +217,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
-        if not out.scheduled:
+        if not out.scheduled and not out.has_cache_ops:
             self.runner.sampler.forget(out.finished_ids)
+            self._record_step()
             return []
         try:
             sampled = self.runner.execute(out)
@@ -145,10 +227,30 @@ class LLMEngine:
             log.exception("engine step failed; failing its %d requests", len(out.scheduled))
             return self._fail([s.request_id for s in out.scheduled])
         got = self.scheduler.update(out, {rid: tok for rid, (tok, _) in sampled.items()})
-        return [self._output(req, sampled[req.request_id]) for req in got]
+        outputs = [self._output(req, sampled[req.request_id]) for req in got]
+        self._record_step()
+        return outputs
+
+    def _record_step(self) -> None:
+        sched = self.scheduler
+        self.metrics.step(
+            len(sched.running),
+            len(sched.waiting),
+            len(sched.swapped),
+            self.kv.usage(),
+            sched.drain_events(),
+        )
+
+    def _finished(self, req: Request) -> None:
+        now = time.monotonic()
+        self.metrics.finished(req, now)
+        if req.first_scheduled_time is not None:
+            wait = req.first_scheduled_time - req.arrival_time
+            self._queue_wait = 0.8 * self._queue_wait + 0.2 * wait
 
     def _output(self, req: Request, sample) -> RequestOutput:
         token, logprob = sample
+        self.metrics.token(req, time.monotonic())
         det = self._detokenizers[req.request_id]
         stop = det.add([token])
         if stop is not None:
@@ -157,6 +259,7 @@ class LLMEngine:
             det.flush()
         if req.finished:
             del self._detokenizers[req.request_id]
+            self._finished(req)
         completion = CompletionOutput(
             0,
             det.take(req.finished),
@@ -175,6 +278,7 @@ class LLMEngine:
                 continue
             self.scheduler.finish(req, "error")
             self._detokenizers.pop(rid, None)
+            self._finished(req)
             outs.append(
                 RequestOutput(
                     rid, req.prompt_token_ids, [CompletionOutput(0, finish_reason="error")], True
@@ -186,8 +290,11 @@ class LLMEngine:
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            "swapped": len(self.scheduler.swapped),
             "kv_free_blocks": self.kv.num_free_blocks,
             "kv_total_blocks": self.kv.num_total_blocks,
+            "swap_free_blocks": self.kv.num_free_host_blocks,
+            "swap_total_blocks": self.kv.num_total_host_blocks,
             "kv_usage": self.kv.usage(),
             "num_preemptions": self.scheduler.num_preemptions,
         }

@@ -8,9 +8,10 @@ from engine.config import ModelConfig
 from engine.kv_spec import KVCacheGroup, MLASpec
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import CacheShift, SchedulerOutput
 from kernels.backend import AttentionBackend
 from kernels.paged import AttentionMetadata, ForwardContext
+from kernels.rotary import RopeLayout, rotate_cached_keys
 from models.loader import load_model
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -38,7 +39,13 @@ class ModelRunner:
         self.layer_to_group = tuple(layer_to_group)
         self.sampler = Sampler(seed, eos_token_ids, device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the swap pool
         self.block_size = 0
+        # How each layer's cached keys were rotated; None: the model cannot shift its cache.
+        rope = getattr(self.model, "cached_key_rope", None)
+        self.key_rope: list[RopeLayout] | None = (
+            [rope(i) for i in range(model_config.num_layers)] if rope is not None else None
+        )
 
     def allocate_kv_cache(self, num_blocks: tuple[int, ...], block_size: int) -> None:
         self.block_size = block_size
@@ -48,13 +55,38 @@ class ModelRunner:
                 caches[layer] = self._allocate(g.spec, n, block_size)
         self.kv_caches = [caches[i] for i in range(len(caches))]
 
-    def _allocate(self, spec, n: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        kw = dict(dtype=self.dtype, device=self.device)
+    def allocate_host_cache(self, num_blocks: tuple[int, ...]) -> None:
+        """The swap pool, laid out as the device cache; pinned when the device is a GPU."""
+        pin = self.device.type == "cuda"
+        caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for g, n in zip(self.groups, num_blocks):
+            for layer in g.layer_ids:
+                caches[layer] = self._allocate(g.spec, n, self.block_size, "cpu", pin)
+        self.host_caches = [caches[i] for i in range(len(caches))]
+
+    def _allocate(
+        self, spec, n: int, block_size: int, device=None, pin: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The host pool is only touched by swaps: empty() leaves its pages unmapped until then.
+        new = torch.zeros if device is None else torch.empty
+        kw = dict(dtype=self.dtype, device=device or self.device)
+        if pin:
+            kw["pin_memory"] = True
         if isinstance(spec, MLASpec):
-            cache = torch.zeros(n, block_size, 1, spec.row_width, **kw)
+            cache = new(n, block_size, 1, spec.row_width, **kw)
             return cache, cache[..., : spec.kv_lora_rank]
         shape = (n, block_size, spec.num_kv_heads, spec.head_dim)
-        return torch.zeros(shape, **kw), torch.zeros(shape, **kw)
+        return new(shape, **kw), new(shape, **kw)
+
+    @torch.inference_mode()
+    def apply_cache_ops(self, out: SchedulerOutput) -> None:
+        """Shifts, then swap-outs, then swap-ins: before any of the step's cache writes."""
+        for shift in out.shifts:
+            rotate_shifted_keys(self.kv_caches, self.groups, self.key_rope, shift)
+        for group, pairs in zip(self.groups, out.swap_out):
+            copy_blocks(group, pairs, self.kv_caches, self.host_caches)
+        for group, pairs in zip(self.groups, out.swap_in):
+            copy_blocks(group, pairs, self.host_caches, self.kv_caches)
 
     def _metadata(self, out: SchedulerOutput, cu: torch.Tensor) -> list[AttentionMetadata]:
         bs = self.block_size
@@ -94,7 +126,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprob | None]]:
         self.sampler.forget(out.finished_ids)
+        if out.has_cache_ops:
+            self.apply_cache_ops(out)
         sched = out.scheduled
+        if not sched:
+            return {}
         lens = [len(s.token_ids) for s in sched]
         cu_list = [0]
         for n in lens:
@@ -121,3 +157,35 @@ class ModelRunner:
             [s.output_token_ids for s in chosen],
         )
         return {s.request_id: r for s, r in zip(chosen, results)}
+
+
+Caches = list[tuple[torch.Tensor, torch.Tensor]]  # (k, v) per layer; v may be a view of k
+
+
+def rotate_shifted_keys(
+    kv_caches: Caches, groups: list[KVCacheGroup], key_rope: list[RopeLayout], shift: CacheShift
+) -> None:
+    """Re-rotate the keys a context shift moved, each layer by its own rope layout."""
+    for group, blocks in zip(groups, shift.blocks):
+        if not blocks:
+            continue
+        idx = torch.tensor(blocks, dtype=torch.long, device=kv_caches[0][0].device)
+        for layer in group.layer_ids:
+            rotate_cached_keys(kv_caches[layer][0], idx, shift.delta, key_rope[layer])
+
+
+def copy_blocks(
+    group: KVCacheGroup, pairs: list[tuple[int, int]], src_caches: Caches, dst_caches: Caches
+) -> None:
+    """Copy whole blocks (src id, dst id) of every layer of ``group``, K and V."""
+    if not pairs:
+        return
+    src_idx = torch.tensor([a for a, _ in pairs], dtype=torch.long)
+    dst_idx = torch.tensor([b for _, b in pairs], dtype=torch.long)
+    for layer in group.layer_ids:
+        src, dst = src_caches[layer], dst_caches[layer]
+        shared = src[1].data_ptr() == src[0].data_ptr()  # MLA: V is the latent part of K
+        for s, d in [(src[0], dst[0])] if shared else zip(src, dst):
+            rows = s[src_idx.to(s.device)]
+            # Device to host must be synchronous: the host rows are read right away.
+            d[dst_idx.to(d.device)] = rows.to(d.device, non_blocking=d.is_cuda)

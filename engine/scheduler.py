@@ -73,6 +73,21 @@ class SchedulerEvents:
     swapped_blocks: Counter = field(default_factory=Counter)  # by direction
 
 
+class _Step:
+    """What one ``schedule`` call has decided so far."""
+
+    def __init__(self, budget: int, num_groups: int):
+        self.budget = budget
+        self.scheduled: dict[str, tuple[Request, int]] = {}  # in scheduling order
+        self.preempted: list[str] = []
+        self.swap_out: BlockPairs = [[] for _ in range(num_groups)]
+        self.swap_in: BlockPairs = [[] for _ in range(num_groups)]
+
+    def add(self, req: Request, n: int) -> None:
+        self.scheduled[req.request_id] = (req, n)
+        self.budget -= n
+
+
 class Scheduler:
     def __init__(
         self,
@@ -146,71 +161,75 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, tuple[Request, int]] = {}  # in scheduling order
-        preempted: list[str] = []
-        swap_out: BlockPairs = [[] for _ in self.kv.groups]
-
+        step = _Step(self.config.max_num_batched_tokens, len(self.kv.groups))
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and step.budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, step.budget)
             while not self.kv.can_allocate(req.block_tables, req.num_computed_tokens + n):
-                victim = self._preempt(swap_out)
-                preempted.append(victim.request_id)
+                victim, was_scheduled = self._preempt(step, self.running)
                 if victim is req:
                     break
-                if victim.request_id in scheduled:  # its turn came earlier in this step
-                    budget += scheduled.pop(victim.request_id)[1]
-                    i -= 1
+                i -= was_scheduled  # it stood before req in self.running
             if req.status != RequestStatus.RUNNING:
                 continue  # req itself was preempted; self.running[i] is now the next one
             self.kv.allocate(req.block_tables, req.num_computed_tokens + n)
-            scheduled[req.request_id] = (req, n)
-            budget -= n
+            step.add(req, n)
             i += 1
+        if not step.preempted:  # else the running requests alone overfill the pool
+            self._admit(step)
 
-        swap_in: BlockPairs = [[] for _ in self.kv.groups]
-        # A step that preempted has no blocks to spare; it also must not reuse the host blocks
-        # its swap-outs are about to fill.
-        while (self.waiting or self.swapped) and budget > 0 and not preempted:
-            if len(self.running) >= self.config.max_num_seqs:
-                break
-            req = min((*self.waiting, *self.swapped), key=lambda r: (r.priority, r.arrival_time))
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._resume(req, n, swap_in):
-                break
-            scheduled[req.request_id] = (req, n)
-            budget -= n
-
-        items = sorted(scheduled.values(), key=lambda item: item[1] != 1)  # stable: decodes first
+        items = sorted(step.scheduled.values(), key=lambda item: item[1] != 1)  # decodes first
         live = (RequestStatus.RUNNING, RequestStatus.SWAPPED)
         out = SchedulerOutput(
             scheduled=[self._to_plain(req, n) for req, n in items],
             num_decodes=sum(1 for _, n in items if n == 1),
             finished_ids=self._finished_ids,
-            preempted_ids=preempted,
+            preempted_ids=step.preempted,
             # A recomputed or finished sequence's blocks are no longer its own to rotate.
             shifts=[s for s in self._shifts if self._status(s.request_id) in live],
-            swap_out=swap_out,
-            swap_in=swap_in,
+            swap_out=step.swap_out,
+            swap_in=step.swap_in,
         )
         self._finished_ids = []
         self._shifts = []
         return out
 
+    def _admit(self, step: _Step) -> None:
+        """Queued requests, best first, while they fit; a better one preempts worse ones.
+
+        A step never both swaps in and swaps out: the runner copies out first, so a host block
+        freed by a swap-in must not be refilled in the same step.
+        """
+        while (self.waiting or self.swapped) and step.budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            req = min((*self.waiting, *self.swapped), key=lambda r: (r.priority, r.arrival_time))
+            if req.request_id in step.preempted:
+                break  # it just gave its blocks to a better request
+            if req.status == RequestStatus.SWAPPED and step.preempted:
+                break
+            n = min(req.num_tokens - req.num_computed_tokens, step.budget)
+            if self._resume(req, n, step):
+                step.add(req, n)
+                continue
+            worse = [r for r in self.running if r.priority > req.priority]
+            if req.status != RequestStatus.WAITING or not worse or any(step.swap_in):
+                break
+            self._preempt(step, worse)
+
     def _status(self, request_id: str) -> RequestStatus:
         req = self.requests.get(request_id)
         return req.status if req is not None else RequestStatus.FINISHED
 
-    def _resume(self, req: Request, n: int, swap_in: BlockPairs) -> bool:
+    def _resume(self, req: Request, n: int, step: _Step) -> bool:
         """Move a waiting or swapped request to running with room for ``n`` new tokens."""
         need = req.num_computed_tokens + n
         if req.status == RequestStatus.SWAPPED:
             if not self.kv.can_swap_in(req.host_tables, need):
                 return False
             req.block_tables, copies = self.kv.swap_in(req.host_tables)
-            for pairs, group_copies in zip(swap_in, copies):
+            for pairs, group_copies in zip(step.swap_in, copies):
                 pairs.extend(group_copies)
             self.events.swapped_blocks["in"] += sum(len(c) for c in copies)
             self.swapped.remove(req)
@@ -238,15 +257,22 @@ class Scheduler:
             output_token_ids=req.output_token_ids,
         )
 
-    def _preempt(self, swap_out: BlockPairs) -> Request:
-        victim, mode = self.preemption.decide(self.running, self.kv.can_swap_out)
+    def _preempt(self, step: _Step, candidates: list[Request]) -> tuple[Request, bool]:
+        """Preempt one of ``candidates``: (the victim, whether it was scheduled this step)."""
+        victim, mode = self.preemption.decide(
+            candidates, lambda r: self.kv.can_swap_out(r.block_tables)
+        )
         self.running.remove(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.events.preemptions[mode] += 1
+        step.preempted.append(victim.request_id)
+        was_scheduled = victim.request_id in step.scheduled
+        if was_scheduled:
+            step.budget += step.scheduled.pop(victim.request_id)[1]
         if mode == "swap":
             victim.host_tables, copies = self.kv.swap_out(victim.block_tables)
-            for pairs, group_copies in zip(swap_out, copies):
+            for pairs, group_copies in zip(step.swap_out, copies):
                 pairs.extend(group_copies)
             self.events.swapped_blocks["out"] += sum(len(c) for c in copies)
             victim.status = RequestStatus.SWAPPED
@@ -256,7 +282,7 @@ class Scheduler:
             victim.num_computed_tokens = 0
             victim.status = RequestStatus.WAITING
             self.waiting.appendleft(victim)
-        return victim
+        return victim, was_scheduled
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish what must stop.

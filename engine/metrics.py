@@ -1,0 +1,160 @@
+"""Prometheus metrics of one engine, in its own registry (vLLM's names under ``kvserve:``).
+
+The engine thread updates them: gauges once per step, counters and histograms as requests
+advance. The HTTP side only reads (``generate_latest(metrics.registry)``); prometheus-client's
+metric objects are safe to share between the two threads.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from engine.capacity import GroupCapacity
+from engine.request import Request
+from engine.scheduler import SchedulerEvents
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)  # fmt: skip
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+
+class EngineMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.running = Gauge(
+            "kvserve:num_requests_running", "Requests in the running batch.", registry=r
+        )
+        self.waiting = Gauge(
+            "kvserve:num_requests_waiting",
+            "Requests queued: new, or preempted for recomputation.",
+            registry=r,
+        )
+        self.swapped = Gauge(
+            "kvserve:num_requests_swapped",
+            "Preempted requests whose KV cache waits in the host swap pool.",
+            registry=r,
+        )
+        self.kv_usage = Gauge(
+            "kvserve:kv_cache_usage_perc",
+            "Fraction of the KV blocks in use (0 to 1), per KV-cache group.",
+            ["group"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvserve:prompt_tokens", "Prompt tokens prefilled (after truncation).", registry=r
+        )
+        self.generation_tokens = Counter(
+            "kvserve:generation_tokens", "Tokens generated.", registry=r
+        )
+        self.request_success = Counter(
+            "kvserve:request_success",
+            "Finished requests, by finish reason (stop, length, abort, error).",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvserve:time_to_first_token_seconds",
+            "From arrival to the first generated token.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "kvserve:inter_token_latency_seconds",
+            "Between consecutive tokens of a request.",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "kvserve:e2e_request_latency_seconds",
+            "From arrival to the last token.",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "kvserve:request_queue_time_seconds",
+            "From arrival to the first scheduling.",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "kvserve:num_preemptions",
+            "Running requests preempted for lack of KV blocks, by mode (recompute, swap).",
+            ["mode"],
+            registry=r,
+        )
+        self.context_overflows = Counter(
+            "kvserve:context_overflows",
+            "Requests at max_model_len (or over it at admission), by the policy that acted.",
+            ["policy"],
+            registry=r,
+        )
+        self.swapped_blocks = Counter(
+            "kvserve:swapped_blocks",
+            "KV blocks copied to (out) or back from (in) the host swap pool.",
+            ["direction"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "kvserve:requests_rejected",
+            "Requests refused before any work, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.cache_config = Info(
+            "kvserve:cache_config", "KV-cache layout and capacity.", registry=r
+        )
+
+    def describe_cache(
+        self, groups: list[GroupCapacity], num_host_blocks: tuple[int, ...], **settings
+    ) -> None:
+        def each(values) -> str:
+            return ",".join(str(v) for v in values)
+
+        self.cache_config.info(
+            {
+                "block_size": str(groups[0].block_size),
+                "num_gpu_blocks": each(g.num_blocks for g in groups),
+                "num_cpu_blocks": each(num_host_blocks) or "0",
+                "group_kinds": each(g.kind for g in groups),
+                "bytes_per_token": str(sum(g.bytes_per_token for g in groups)),
+                "capacity_tokens": each(g.tokens for g in groups),
+                "max_seqs_at_max_model_len": str(min(g.max_seqs_at_full_len for g in groups)),
+                **{k: str(v) for k, v in settings.items()},
+            }
+        )
+
+    def step(
+        self, running: int, waiting: int, swapped: int, usage: list[float], events: SchedulerEvents
+    ) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.swapped.set(swapped)
+        for gi, u in enumerate(usage):
+            self.kv_usage.labels(str(gi)).set(u)
+        for mode, n in events.preemptions.items():
+            self.preemptions.labels(mode).inc(n)
+        for policy, n in events.context_overflows.items():
+            self.context_overflows.labels(policy).inc(n)
+        for direction, n in events.swapped_blocks.items():
+            self.swapped_blocks.labels(direction).inc(n)
+
+    def token(self, req: Request, now: float) -> None:
+        """``req`` just received a token at ``now`` (its first one when it has no earlier)."""
+        self.generation_tokens.inc()
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.ttft.observe(now - req.arrival_time)
+            self.prompt_tokens.inc(req.num_tokens - req.num_output_tokens)
+        elif req.last_token_time is not None:
+            self.itl.observe(now - req.last_token_time)
+        req.last_token_time = now
+
+    def finished(self, req: Request, now: float) -> None:
+        self.request_success.labels(req.finish_reason or "abort").inc()
+        self.e2e.observe(now - req.arrival_time)
+        if req.first_scheduled_time is not None:
+            self.queue_time.observe(req.first_scheduled_time - req.arrival_time)

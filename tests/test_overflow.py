@@ -1,0 +1,362 @@
+"""Overflow policies with a fake runner that keeps a physical cache, and tiny pools.
+
+The fake runner stores, in every cache slot it writes, the token and the position it was
+computed at; a shift adds its delta to the positions in the blocks it names, as re-rotating
+keys does; swaps copy slots between the device and host pools. Before each step it checks that
+every position the step attends to holds the right token at the right position, through the
+block tables (rings included). So a wrong table edit, a lost rotation or a bad swap fails there.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.config import SchedulerConfig
+from engine.errors import RequestError
+from engine.kv_manager import KVCacheManager
+from engine.kv_spec import FullAttentionSpec, KVCacheGroup, MLASpec, SlidingWindowSpec
+from engine.overflow import (
+    Admission,
+    ContextOverflow,
+    ContextState,
+    Drop,
+    ErrorPolicy,
+    Finish,
+    Fits,
+    Preemption,
+    Reject,
+    ShiftPolicy,
+    SinkPolicy,
+    StopPolicy,
+    TruncatePolicy,
+    context_policy,
+)
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+BS = 4
+
+
+def next_token(context: list[int]) -> int:
+    return (sum(context) * 31 + len(context)) % 97
+
+
+def greedy(n: int | None) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def state(num_tokens, limit=64, max_tokens=16, admission=True, discardable=None, bs=BS):
+    return ContextState(
+        admission=admission,
+        num_tokens=num_tokens,
+        prompt_len=num_tokens if admission else 10,
+        max_tokens=max_tokens,
+        limit=limit,
+        block_size=bs,
+        discardable=discardable or (lambda keep: (limit - 1) // bs * bs - keep),
+    )
+
+
+# ---- decisions ----
+
+
+def test_error_refuses_prompt_plus_max_tokens_over_the_limit():
+    policy = ErrorPolicy()
+    assert policy.decide(state(48, max_tokens=16)) == Fits()
+    refused = policy.decide(state(49, max_tokens=16))
+    assert isinstance(refused, Reject) and "65 tokens" in refused.message
+    assert isinstance(policy.decide(state(64, max_tokens=None)), Reject)
+    assert policy.decide(state(64, admission=False, max_tokens=None)) == Finish()
+
+
+def test_truncate_drops_oldest_prompt_tokens_after_n_keep():
+    policy = TruncatePolicy(n_keep=5)
+    assert policy.decide(state(40, max_tokens=16)) == Fits()
+    assert policy.decide(state(60, max_tokens=16)) == Drop(5, 12)  # 48 left + 16 = 64
+    assert policy.decide(state(70, max_tokens=None)) == Drop(5, 7)  # one token of room
+    assert isinstance(policy.decide(state(70, max_tokens=60)), Reject)  # room 4 < n_keep
+    assert TruncatePolicy(n_keep=-1).decide(state(70, max_tokens=8)).__class__ is Reject
+    assert policy.decide(state(64, admission=False)) == Finish()
+
+
+def test_stop_admits_any_max_tokens_and_finishes_at_the_limit():
+    policy = StopPolicy()
+    assert policy.decide(state(40, max_tokens=1000)) == Fits()
+    assert isinstance(policy.decide(state(64, max_tokens=1)), Reject)
+    assert policy.decide(state(64, admission=False)) == Finish()
+
+
+def test_shift_keeps_n_keep_and_discards_half_the_rest_in_blocks():
+    policy = ShiftPolicy(n_keep=5)  # rounded up to 8
+    assert policy.decide(state(64, admission=False)) == Drop(8, 28)  # (64 - 8) / 2
+    assert ShiftPolicy(n_keep=0, n_discard=5).decide(state(64, admission=False)) == Drop(0, 8)
+    # The cache layout caps the drop; below one block the request stops instead.
+    capped = state(64, admission=False, discardable=lambda keep: 12)
+    assert policy.decide(capped) == Drop(8, 12)
+    blocked = state(64, admission=False, discardable=lambda keep: 3)
+    assert policy.decide(blocked) == Finish()
+    assert policy.decide(state(64, admission=False, max_tokens=None)) == Finish()
+
+
+def test_shift_refuses_an_n_keep_that_leaves_nothing_to_discard():
+    assert ShiftPolicy(n_keep=8).decide(state(30, max_tokens=500)) == Fits()
+    refused = ShiftPolicy(n_keep=61).decide(state(30, max_tokens=500))
+    assert isinstance(refused, Reject) and refused.code == "invalid_overflow"
+    assert isinstance(ShiftPolicy().decide(state(64, max_tokens=500)), Reject)
+
+
+def test_sink_evicts_one_block_after_the_sinks():
+    assert SinkPolicy(n_keep=4).decide(state(64, admission=False)) == Drop(4, 4)
+    assert SinkPolicy(n_keep=4, n_discard=6).decide(state(64, admission=False)) == Drop(4, 8)
+
+
+def test_request_overflow_choices_are_validated():
+    with pytest.raises(RequestError):
+        ContextOverflow("rewind")
+    with pytest.raises(RequestError):
+        ContextOverflow("shift", n_discard=0)
+    assert context_policy(ContextOverflow("sink", n_keep=2)) == SinkPolicy(2, None)
+
+
+def test_preemption_picks_lowest_priority_then_latest_arrival():
+    a = Request("a", [1], greedy(1), arrival_time=1.0, priority=0)
+    b = Request("b", [1], greedy(1), arrival_time=2.0, priority=0)
+    c = Request("c", [1], greedy(1), arrival_time=0.5, priority=1)
+    assert Preemption("recompute").decide([a, b, c], lambda r: True) == (c, "recompute")
+    assert Preemption("swap").decide([a, b], lambda r: True) == (b, "swap")
+    assert Preemption("swap").decide([a, b], lambda r: False) == (b, "recompute")
+
+
+def test_admission_bounds_the_queue_by_requests_and_tokens():
+    assert Admission(max_queue_len=2).decide(1, 100, 50) is None
+    assert Admission(max_queue_len=2).decide(2, 100, 50) == "queue_full"
+    assert Admission(max_queued_tokens=120).decide(1, 100, 50) == "queued_tokens"
+    assert Admission(max_queued_tokens=120).decide(0, 0, 500) is None  # an empty queue admits
+
+
+# ---- the KV manager's cache moves ----
+
+
+def test_drop_removes_whole_blocks_from_a_full_table():
+    kv = KVCacheManager([KVCacheGroup(FullAttentionSpec(1, 4), (0,))], (10,), BS)
+    tables = kv.new_tables()
+    kv.allocate(tables, 20)
+    a, b, c, d, e = tables[0]
+    assert kv.max_discard(tables, 19, 4) == 12  # whole blocks of cached tokens only
+    moved = kv.drop(tables, 19, 4, 8)
+    assert tables == [[a, d, e]] and moved == [[d, e]]
+    assert kv.num_free_blocks == 7
+    kv.check_integrity([tables])
+    with pytest.raises(ValueError):
+        kv.drop(tables, 11, 2, 4)  # not block aligned
+
+
+def test_drop_turns_a_full_ring_and_keeps_its_blocks():
+    spec = SlidingWindowSpec(1, 4, window_size=6)  # ring of 3 blocks
+    kv = KVCacheManager([KVCacheGroup(spec, (0,))], (10,), BS)
+    tables = kv.new_tables()
+    kv.allocate(tables, 24)
+    a, b, c = tables[0]
+    # The next window, [n - 5, n], must start after the kept tokens: 23 - 4 - 5 = 14 -> 12.
+    assert kv.max_discard(tables, 23, 4) == 12
+    moved = kv.drop(tables, 23, 4, 8)
+    assert tables == [[c, a, b]] and moved == [[c, a, b]]
+    assert kv.num_free_blocks == 7
+
+
+def test_drop_treats_a_ring_that_never_wrapped_like_a_full_table():
+    spec = SlidingWindowSpec(1, 4, window_size=30)  # ring of 9 blocks, longer than the context
+    kv = KVCacheManager([KVCacheGroup(spec, (0,))], (10,), BS)
+    tables = kv.new_tables()
+    kv.allocate(tables, 20)
+    a, b, c, d, e = tables[0]
+    assert kv.max_discard(tables, 19, 4) == 12
+    kv.drop(tables, 19, 4, 8)
+    assert tables == [[a, d, e]]
+
+
+# ---- the scheduler with a fake paged runner ----
+
+
+class PagedFakeRunner:
+    """A cache of (token, position) per slot, checked through the block tables every step."""
+
+    def __init__(self, sched: Scheduler):
+        self.sched = sched
+        self.kv = sched.kv
+        self.device = [{} for _ in self.kv.groups]  # (block, offset) -> (token, position)
+        self.host = [{} for _ in self.kv.groups]
+
+    def slot(self, gi: int, table: list[int], pos: int) -> tuple[int, int]:
+        spec = self.kv.groups[gi].spec
+        index = pos // BS
+        if spec.window:
+            index %= spec.ring_len(BS)
+        assert index < len(table), f"group {gi}: position {pos} has no block"
+        return table[index], pos % BS
+
+    def execute(self, out) -> dict[str, int]:
+        for shift in out.shifts:
+            for gi, blocks in enumerate(shift.blocks):
+                for b in blocks:
+                    for off in range(BS):
+                        if (b, off) in self.device[gi]:
+                            tok, pos = self.device[gi][b, off]
+                            self.device[gi][b, off] = (tok, pos + shift.delta)
+        for src, dst, pairs_by_group in (
+            (self.device, self.host, out.swap_out),
+            (self.host, self.device, out.swap_in),
+        ):
+            for gi, pairs in enumerate(pairs_by_group):
+                for a, b in pairs:
+                    for off in range(BS):
+                        dst[gi].pop((b, off), None)
+                        if (a, off) in src[gi]:
+                            dst[gi][b, off] = src[gi][a, off]
+        sampled = {}
+        for s in out.scheduled:
+            req = self.sched.requests[s.request_id]
+            context = req.token_ids[: s.start_pos + len(s.token_ids)]
+            assert context[s.start_pos :] == s.token_ids
+            for gi, group in enumerate(self.kv.groups):
+                window = group.spec.window
+                first = max(0, s.start_pos - window + 1) if window else 0
+                for p in range(first, s.start_pos):
+                    held = self.device[gi].get(self.slot(gi, s.block_tables[gi], p))
+                    assert held == (context[p], p), f"group {gi} position {p}: {held}"
+                for i, tok in enumerate(s.token_ids):
+                    p = s.start_pos + i
+                    self.device[gi][self.slot(gi, s.block_tables[gi], p)] = (tok, p)
+            if s.sample:
+                sampled[s.request_id] = next_token(context)
+        return sampled
+
+
+def make(groups, num_blocks, *, max_len=32, budget=16, max_seqs=4, mode="recompute", host=()):
+    kv = KVCacheManager(groups, num_blocks, BS, host)
+    config = SchedulerConfig(max_seqs, budget, max_len, mode)
+    return Scheduler(config, kv), kv
+
+
+def run(sched: Scheduler, kv: KVCacheManager, runner: PagedFakeRunner | None = None):
+    runner = runner or PagedFakeRunner(sched)
+    for _ in range(5000):
+        if not sched.has_unfinished:
+            break
+        out = sched.schedule()
+        sched.update(out, runner.execute(out))
+        live = sched.live_requests
+        kv.check_integrity([r.block_tables for r in live], [r.host_tables for r in live])
+    assert not sched.has_unfinished
+    assert kv.num_free_blocks == kv.num_total_blocks
+    assert kv.num_free_host_blocks == kv.num_total_host_blocks
+
+
+def expected_with_drops(prompt, max_tokens, limit, plan) -> list[int]:
+    """The output when ``plan(context)`` (start, count) is dropped whenever the context is full."""
+    ctx, out = list(prompt), []
+    while len(out) < max_tokens:
+        ctx.append(next_token(ctx))
+        out.append(ctx[-1])
+        if len(out) < max_tokens and len(ctx) >= limit:
+            start, count = plan(ctx)
+            del ctx[start : start + count]
+    return out
+
+
+FULL = KVCacheGroup(FullAttentionSpec(1, 4), (0,))
+MLA = KVCacheGroup(MLASpec(8, 4), (0,))
+RING = KVCacheGroup(SlidingWindowSpec(1, 4, window_size=6), (1,))  # ring of 3 blocks
+WIDE_RING = KVCacheGroup(SlidingWindowSpec(1, 4, window_size=40), (1,))  # never wraps at 32
+
+
+@pytest.mark.parametrize(
+    "groups",
+    [[FULL], [MLA], [RING, FULL], [WIDE_RING, FULL]],
+    ids=["full", "mla", "ring+full", "wide-ring+full"],
+)
+@pytest.mark.parametrize("policy", ["shift", "sink"])
+def test_shift_and_sink_generate_past_the_limit_with_every_position_in_place(groups, policy):
+    limit, keep = 32, 4
+    sched, kv = make(groups, (12,) * len(groups), max_len=limit)
+    choice = context_policy(ContextOverflow(policy, n_keep=keep))
+    reqs = []
+    for i, n in enumerate([7, 13]):
+        req = Request(f"r{i}", [(i * 7 + j) % 97 for j in range(n)], greedy(100))
+        req.context_policy = choice
+        reqs.append(req)
+        sched.add_request(req)
+    run(sched, kv)
+
+    def plan(ctx):
+        if policy == "sink":
+            return keep, BS
+        most = (limit - 1) // BS * BS - keep
+        if any(g.spec.window and g.spec.window < limit for g in groups):
+            most = min(most, (limit - 1 - keep - (6 - 1)) // BS * BS)
+        return keep, min(-(-(limit - keep) // 2 // BS) * BS, most)  # half, up to a block
+
+    for r in reqs:
+        assert r.finish_reason == "length" and r.num_output_tokens == 100
+        assert r.output_token_ids == expected_with_drops(r.prompt_token_ids, 100, limit, plan)
+        assert r.num_dropped_tokens > 0
+
+
+def test_stop_finishes_at_the_limit():
+    sched, kv = make([FULL], (12,), max_len=32)
+    req = Request("a", list(range(10)), greedy(100))
+    sched.add_request(req)
+    run(sched, kv)
+    assert req.finish_reason == "length" and req.num_tokens == 32
+    assert sched.drain_events().context_overflows == {"stop": 1}
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_pool_too_small_preempts_and_every_request_finishes_as_if_alone(mode):
+    # Six requests of up to 40 tokens need 6 * 10 blocks; the pool has 14 (and a ring group).
+    sched, kv = make([RING, FULL], (14, 14), max_len=64, mode=mode, host=(20, 20))
+    rng = random.Random(0)
+    reqs = []
+    for i in range(6):
+        prompt = [rng.randrange(97) for _ in range(rng.randrange(5, 20))]
+        reqs.append(Request(f"r{i}", prompt, greedy(20), arrival_time=float(i)))
+        sched.add_request(reqs[-1])
+    run(sched, kv)
+    events = sched.events  # not drained by run()
+    for r in reqs:
+        plan = None  # the context never fills
+        assert r.output_token_ids == expected_with_drops(r.prompt_token_ids, 20, 64, plan)
+    assert sched.num_preemptions > 0
+    assert set(events.preemptions) == {mode}
+    if mode == "swap":
+        assert events.swapped_blocks["out"] == events.swapped_blocks["in"] > 0
+
+
+def test_swap_falls_back_to_recompute_when_the_host_pool_is_full():
+    sched, kv = make([FULL], (14,), max_len=64, mode="swap", host=(3,))
+    for i in range(4):
+        sched.add_request(Request(f"r{i}", list(range(i, i + 15)), greedy(20)))
+    run(sched, kv)
+    assert {"swap", "recompute"} <= set(sched.events.preemptions)
+
+
+def test_a_better_priority_request_preempts_a_worse_running_one():
+    # Each fits the 8-block pool alone (7 and 7 blocks); together they do not.
+    sched, kv = make([FULL], (8,), max_len=64, budget=64)
+    low = Request("low", list(range(12)), greedy(16), arrival_time=0.0, priority=1)
+    high = Request("high", list(range(20)), greedy(8), arrival_time=1.0, priority=0)
+    sched.add_request(low)
+    runner = PagedFakeRunner(sched)
+    out = sched.schedule()
+    sched.update(out, runner.execute(out))
+    sched.add_request(high)
+    out = sched.schedule()
+    assert out.preempted_ids == ["low"] and [s.request_id for s in out.scheduled] == ["high"]
+    sched.update(out, runner.execute(out))
+    run(sched, kv, runner)
+    assert low.num_preemptions == 1 and high.num_preemptions == 0
+    for r, n in ((low, 16), (high, 8)):
+        assert r.output_token_ids == expected_with_drops(r.prompt_token_ids, n, 64, None)
