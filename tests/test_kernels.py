@@ -416,3 +416,28 @@ def test_reference_matches_sdpa_on_contiguous_cache(window):
     seq_lens = torch.tensor([n], dtype=torch.int32)
     out = reference.decode_attention(q[-1:], k_cache, v_cache, table, seq_lens, d**-0.5, window)
     torch.testing.assert_close(out, expected[-1:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_engine_with_triton_backend_generates_the_torch_backend_tokens(smollm2_dir):
+    from engine import LLM, SamplingParams
+
+    # Three prompts of different lengths; a 16-token step budget splits the longest into
+    # prefill chunks over a cached prefix while the others already decode.
+    prompts = [
+        "The capital of France is",
+        "def fibonacci(n):\n    ",
+        "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    ]
+    params = SamplingParams(max_tokens=5, temperature=0)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(
+            str(smollm2_dir), max_model_len=128, num_kv_blocks=16, block_size=16,
+            max_num_batched_tokens=16, attention_backend=backend,
+        )  # fmt: skip
+        assert llm.engine.runner.backend.name == backend
+        assert len(llm.tokenizer.encode(prompts[2])) > 16  # really chunked
+        tokens[backend] = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    assert tokens["triton"] == tokens["torch"]
+    assert all(len(t) == 5 for t in tokens["torch"])
