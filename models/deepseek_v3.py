@@ -24,6 +24,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.kv_spec import KVCacheGroup, MLASpec
 from kernels.paged import ForwardContext
+from kernels.rotary import RopeLayout
 from models.layers import RMSNorm
 from models.loader import load_by_name
 
@@ -270,6 +271,11 @@ class DeepseekV3ForCausalLM(nn.Module):
     def kv_cache_groups(cfg: ModelConfig, dtype: str) -> list[KVCacheGroup]:
         spec = MLASpec(cfg.hf["kv_lora_rank"], cfg.hf["qk_rope_head_dim"], dtype)
         return [KVCacheGroup(spec, tuple(range(cfg.num_layers)))]
+
+    def cached_key_rope(self, layer_id: int) -> RopeLayout:
+        """The rotary tail of each latent row. ``apply_rope`` writes it half-split whichever
+        pairing it read, and the yarn factor it carries is kept by a pure rotation."""
+        return RopeLayout(self.inv_freq, start=self.config.hf["kv_lora_rank"])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
         x = self.model.embed_tokens(input_ids)
