@@ -248,6 +248,27 @@ class PointResult:
         )
 
 
+class EngineHandle:
+    """Forwards to an engine until released.
+
+    FastAPI keeps module-level caches of endpoint callables (strong references, thousands of
+    entries), so an app and everything its endpoints reach outlive its server. The app gets
+    this handle instead of the engine, so that releasing it frees the model and KV cache for
+    the next point.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        if self._engine is None:
+            raise RuntimeError("the engine of this tuning point was released")
+        return getattr(self._engine, name)
+
+    def release(self) -> None:
+        self._engine = None
+
+
 @contextlib.contextmanager
 def serve_engine(args: EngineArgs) -> Iterator[tuple[Any, str, str]]:
     """A fresh engine behind the HTTP app on uvicorn, on a free loopback port, in a thread:
@@ -258,11 +279,12 @@ def serve_engine(args: EngineArgs) -> Iterator[tuple[Any, str, str]]:
     from server.app import build_app
 
     engine = AsyncEngine(args)
+    handle = EngineHandle(engine)
     sock = socket.socket()
     try:
         sock.bind(("127.0.0.1", 0))
         name = engine.model_name
-        server = uvicorn.Server(uvicorn.Config(build_app(engine, name), log_level="warning"))
+        server = uvicorn.Server(uvicorn.Config(build_app(handle, name), log_level="warning"))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         deadline = time.monotonic() + 30
@@ -278,6 +300,7 @@ def serve_engine(args: EngineArgs) -> Iterator[tuple[Any, str, str]]:
     finally:
         sock.close()
         engine.shutdown()
+        handle.release()
 
 
 def engine_counters(engine: Any) -> dict[str, float] | None:

@@ -3,10 +3,13 @@ one real sweep over SmolLM2."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
+import gc
 import json
 import math
+import weakref
 
 import pytest
 
@@ -416,9 +419,21 @@ def test_report_files_csv_json_and_png(tmp_path):
 
 
 @pytest.mark.slow
-def test_real_two_point_sweep_over_smollm2(smollm2_dir, tmp_path, capsys):
+def test_real_two_point_sweep_over_smollm2(smollm2_dir, tmp_path, capsys, monkeypatch):
     out = tmp_path / "tune"
     n = 4
+    engines: list[weakref.ref] = []
+    earlier_alive: list[bool] = []
+    serve_engine = tune.serve_engine
+
+    @contextlib.contextmanager
+    def watched(args):
+        earlier_alive.extend(ref() is not None for ref in engines)
+        with serve_engine(args) as (engine, url, name):
+            engines.append(weakref.ref(engine))
+            yield engine, url, name
+
+    monkeypatch.setattr(tune, "serve_engine", watched)
     code = main(
         [
             "--model", str(smollm2_dir), "--device", "cpu", "--max-model-len", "256",
@@ -450,3 +465,7 @@ def test_real_two_point_sweep_over_smollm2(smollm2_dir, tmp_path, capsys):
         assert summary["total_output_tokens"] == n * 8  # every request ran to its max_tokens
         assert summary["ttft"]["p99_ms"] > 0 and math.isfinite(summary["output_throughput"])
         assert p["engine_args"]["max_num_seqs"] == p["settings"]["max_num_seqs"]
+    # Each point's model and KV cache are freed before the next point loads its own.
+    assert len(engines) == 2 and earlier_alive == [False]
+    gc.collect()
+    assert engines[1]() is None
