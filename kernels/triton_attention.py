@@ -20,6 +20,7 @@ Design:
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -508,6 +509,36 @@ def write_cache(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Ten
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class DecodePlan:
+    """Launch shape of one decode call: query heads per program, head tiles, context splits."""
+
+    block_g: int
+    head_tiles: int
+    num_splits: int
+
+
+def plan_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    window: int = 0,
+    num_splits: int | None = None,
+) -> DecodePlan:
+    num_kv_heads = k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    block_g = min(_pow2(group), _rows_budget(_pow2(v_cache.shape[-1])))
+    head_tiles = triton.cdiv(group, block_g)
+    if num_splits is None:
+        max_context = block_tables.shape[1] * k_cache.shape[1]
+        if window > 0:
+            max_context = min(max_context, window)
+        programs = num_kv_heads * head_tiles
+        num_splits = choose_num_splits(q.shape[0], programs, max_context, q.device)
+    return DecodePlan(block_g, head_tiles, num_splits)
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -526,16 +557,9 @@ def decode_attention(
     out = torch.empty(batch, num_heads, dv, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    group = num_heads // num_kv_heads
     meta = _common_meta(q, k_cache, v_cache)
-    block_g = min(_pow2(group), _rows_budget(meta["BLOCK_DV"]))
-    head_tiles = triton.cdiv(group, block_g)
-    ring_len = block_tables.shape[1]
-    if num_splits is None:
-        max_context = ring_len * block_size
-        if window > 0:
-            max_context = min(max_context, window)
-        num_splits = choose_num_splits(batch, num_kv_heads * head_tiles, max_context, q.device)
+    plan = plan_decode(q, k_cache, v_cache, block_tables, window, num_splits)
+    num_splits = plan.num_splits
     if num_splits > 1:
         part_out = torch.empty(
             batch, num_heads, num_splits, dv, dtype=torch.float32, device=q.device
@@ -543,13 +567,13 @@ def decode_attention(
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out
-    grid = (batch, num_kv_heads * head_tiles, num_splits)
+    grid = (batch, num_kv_heads * plan.head_tiles, num_splits)
     _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
-        scale * _LOG2E, window, ring_len, num_heads,
+        scale * _LOG2E, window, block_tables.shape[1], num_heads,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
-        GROUP=group, HEAD_TILES=head_tiles, NUM_SPLITS=num_splits, BS=block_size,
-        WINDOWED=window > 0, BLOCK_G=block_g, **meta,
+        GROUP=num_heads // num_kv_heads, HEAD_TILES=plan.head_tiles, NUM_SPLITS=num_splits,
+        BS=block_size, WINDOWED=window > 0, BLOCK_G=plan.block_g, **meta,
     )  # fmt: skip
     if num_splits > 1:
         _merge_kernel[(batch, num_heads)](

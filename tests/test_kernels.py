@@ -12,6 +12,7 @@ caches 2e-2, since probabilities enter the P @ V product rounded to bf16.
 from __future__ import annotations
 
 import ctypes
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -441,3 +442,17 @@ def test_engine_with_triton_backend_generates_the_torch_backend_tokens(smollm2_d
         tokens[backend] = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
     assert tokens["triton"] == tokens["torch"]
     assert all(len(t) == 5 for t in tokens["torch"])
+
+
+def test_bench_smoke_runs_and_writes_both_copies(tmp_path, capsys):
+    from kernels import bench
+
+    assert bench.main(["--smoke", "--out", str(tmp_path / "smoke")]) == 0
+    table = capsys.readouterr().out
+    assert (
+        sum(line.startswith("| ") for line in table.splitlines()) == len(bench.smoke_shapes()) + 1
+    )
+    assert "differs" not in table  # SDPA over the gathered K/V agrees with the kernel
+    record = json.loads((tmp_path / "smoke.json").read_text())
+    assert len(record["rows"]) == len(bench.smoke_shapes())
+    assert "| shape |" in (tmp_path / "smoke.md").read_text()

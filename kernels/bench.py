@@ -1,0 +1,397 @@
+"""Paged decode attention benchmark: ``python -m kernels.bench [--out PREFIX]``.
+
+Per shape: median time over repeats (CUDA events, L2 flushed before each), the K/V bytes the
+kernel must read divided by that time, and that bandwidth as a fraction of a device-to-device
+copy measured in the same run (copy GB/s counts read + write bytes). Next to it: torch SDPA over
+K/V gathered beforehand into dense tensors (the gather is not timed: a bound, not a paged
+kernel), and FlashInfer / flash-attn when importable.
+
+``--smoke`` runs tiny shapes on the CPU through the torch backend, to show the script runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels import reference
+
+GQA_LAYOUTS = ((32, 8, 128, 128), (9, 3, 64, 64))  # query heads, KV heads, Dk, Dv
+MLA_LAYOUT = (128, 1, 576, 512)
+BATCH_CONTEXTS = ((1, 1024), (1, 32768), (16, 4096), (64, 1024), (64, 4096))
+WINDOW_CASES = ((1, 32768), (16, 4096), (16, 32768))
+WINDOW = 512
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    context: int
+    num_heads: int
+    num_kv_heads: int
+    dk: int
+    dv: int
+    window: int = 0
+    mla: bool = False  # v is the first dv columns of the k cache
+
+    @property
+    def name(self) -> str:
+        kind = "mla" if self.mla else f"{self.num_heads}/{self.num_kv_heads}/{self.dk}"
+        win = f" w{self.window}" if self.window else ""
+        return f"{kind} {self.batch}x{_tokens(self.context)}{win}"
+
+    @property
+    def attended(self) -> int:
+        return min(self.context, self.window) if self.window else self.context
+
+    def kv_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes a decode step must read: each attended token's K and V once (MLA: one row)."""
+        width = self.dk if self.mla else self.dk + self.dv
+        return self.batch * self.attended * self.num_kv_heads * width * _itemsize(dtype)
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def full_shapes() -> list[Shape]:
+    shapes = [Shape(b, c, *layout) for layout in GQA_LAYOUTS for b, c in BATCH_CONTEXTS]
+    shapes += [Shape(b, c, *MLA_LAYOUT, mla=True) for b, c in BATCH_CONTEXTS]
+    shapes += [Shape(b, c, *GQA_LAYOUTS[0], window=WINDOW) for b, c in WINDOW_CASES]
+    return shapes
+
+
+def smoke_shapes() -> list[Shape]:
+    return [
+        Shape(2, 64, 4, 2, 32, 32),
+        Shape(1, 100, 6, 2, 16, 16),
+        Shape(2, 40, 8, 1, 72, 64, mla=True),
+        Shape(2, 64, 4, 2, 32, 32, window=16),
+        Shape(2, 256, 4, 2, 32, 32, window=16),
+    ]
+
+
+@dataclass
+class Case:
+    """One decode step's inputs over a paged cache with shuffled physical blocks."""
+
+    shape: Shape
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    tables: torch.Tensor  # a ring of ceil(window / bs) + 1 blocks when windowed
+    seq_lens: torch.Tensor
+    block_size: int
+
+    @property
+    def scale(self) -> float:
+        return self.shape.dk**-0.5
+
+    def logical_tables(self) -> torch.Tensor:
+        """Table over all logical blocks of the context (the ring repeated when windowed)."""
+        width = math.ceil(self.shape.context / self.block_size)
+        return self.tables[:, torch.arange(width, device=self.tables.device) % self.tables.shape[1]]
+
+    def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense K/V of the attended positions: [B, Hkv, L, D]."""
+        s = self.shape
+        pos = torch.arange(s.context - s.attended, s.context, device=self.q.device)
+        ks, vs = [], []
+        for table in self.tables:
+            ks.append(reference.gather_cache(self.k_cache, table, pos, s.window))
+            vs.append(reference.gather_cache(self.v_cache, table, pos, s.window))
+        return torch.stack(ks).transpose(1, 2), torch.stack(vs).transpose(1, 2)
+
+
+def build_case(shape: Shape, block_size: int, dtype: torch.dtype, device: str) -> Case:
+    gen = torch.Generator(device=device).manual_seed(0)
+    if shape.window:
+        width = math.ceil(shape.window / block_size) + 1
+    else:
+        width = math.ceil(shape.context / block_size)
+    num_blocks = shape.batch * width
+    tables = torch.randperm(num_blocks, generator=gen, device=device).view(shape.batch, width)
+    cache_shape = (num_blocks, block_size, shape.num_kv_heads, shape.dk)
+    k_cache = torch.randn(cache_shape, generator=gen, device=device, dtype=dtype)
+    if shape.mla:
+        v_cache = k_cache[..., : shape.dv]
+    else:
+        v_shape = (*cache_shape[:3], shape.dv)
+        v_cache = torch.randn(v_shape, generator=gen, device=device, dtype=dtype)
+    q = torch.randn(shape.batch, shape.num_heads, shape.dk, generator=gen, device=device)
+    seq_lens = torch.full((shape.batch,), shape.context, dtype=torch.int32, device=device)
+    return Case(shape, q.to(dtype), k_cache, v_cache, tables.int(), seq_lens, block_size)
+
+
+class Timer:
+    """Median wall time of a callable: CUDA events with an L2 flush before each repeat."""
+
+    def __init__(self, device: str, repeats: int, warmup: int, flush: bool = True):
+        self.device, self.repeats, self.warmup = device, repeats, warmup
+        cuda = device.startswith("cuda")
+        self.flush_buffer = torch.empty(256 << 20, dtype=torch.uint8, device=device) if (
+            cuda and flush
+        ) else None  # fmt: skip
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        """Seconds."""
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for _ in range(self.repeats):
+            if self.flush_buffer is not None:
+                self.flush_buffer.zero_()
+            times.append(self._once(fn))
+        return statistics.median(times)
+
+    def _once(self, fn: Callable[[], object]) -> float:
+        if not self.device.startswith("cuda"):
+            start = time.perf_counter()
+            fn()
+            return time.perf_counter() - start
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+def copy_bandwidth(timer: Timer, device: str, nbytes: int) -> float:
+    """Bytes per second of a device-to-device copy, counting both the read and the write."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = timer(lambda: dst.copy_(src))
+    return 2 * nbytes / seconds
+
+
+# Candidates: each takes a Case and returns a zero-argument callable giving [B, Hq, Dv], or
+# raises to say it cannot run the shape.
+
+
+def _kernel_under_test(case: Case, num_splits: int | None) -> Callable[[], torch.Tensor]:
+    args = (case.q, case.k_cache, case.v_cache, case.tables, case.seq_lens, case.scale)
+    if case.q.is_cuda:
+        from kernels import triton_attention
+
+        return lambda: triton_attention.decode_attention(
+            *args, case.shape.window, num_splits=num_splits
+        )
+    return lambda: reference.decode_attention(*args, case.shape.window)
+
+
+def _sdpa(case: Case) -> Callable[[], torch.Tensor]:
+    k, v = case.gathered()
+    q = case.q.unsqueeze(2)  # [B, Hq, 1, D]
+    return lambda: F.scaled_dot_product_attention(
+        q, k, v, scale=case.scale, enable_gqa=True
+    ).squeeze(2)
+
+
+def _flashinfer(case: Case) -> Callable[[], torch.Tensor]:
+    import flashinfer
+
+    s = case.shape
+    if s.mla:
+        raise NotImplementedError("MLA decode has its own FlashInfer wrapper; not wired here")
+    bs = case.block_size
+    first, last = (s.context - s.attended) // bs, (s.context - 1) // bs
+    pages = case.logical_tables()[:, first : last + 1]
+    indptr = torch.arange(s.batch + 1, dtype=torch.int32, device=case.q.device) * pages.shape[1]
+    last_len = torch.full_like(case.seq_lens, (s.context - 1) % bs + 1)
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=case.q.device)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+    wrapper.plan(
+        indptr, pages.reshape(-1).contiguous(), last_len, s.num_heads, s.num_kv_heads, s.dk, bs,
+        window_left=s.window - 1 if s.window else -1, q_data_type=case.q.dtype,
+        kv_data_type=case.k_cache.dtype, sm_scale=case.scale,
+    )  # fmt: skip
+    return lambda: wrapper.run(case.q, (case.k_cache, case.v_cache))
+
+
+def _flash_attn(case: Case) -> Callable[[], torch.Tensor]:
+    from flash_attn import flash_attn_with_kvcache
+
+    s = case.shape
+    if s.mla or s.dk != s.dv:
+        raise NotImplementedError("flash-attn needs Dk == Dv")
+    if case.block_size % 256:
+        raise NotImplementedError("flash-attn pages must be multiples of 256 (--block-size)")
+    q = case.q.unsqueeze(1)  # [B, 1, Hq, D]
+    window = (s.window - 1, 0) if s.window else (-1, -1)
+    tables = case.logical_tables().contiguous()
+    return lambda: flash_attn_with_kvcache(
+        q, case.k_cache, case.v_cache, cache_seqlens=case.seq_lens, block_table=tables,
+        softmax_scale=case.scale, causal=True, window_size=window,
+    ).squeeze(1)  # fmt: skip
+
+
+@dataclass
+class Row:
+    shape: str
+    kv_mib: float
+    num_splits: int | None
+    us: float
+    gbs: float
+    copy_frac: float
+    sdpa_us: float | None
+    flashinfer_us: float | None
+    flash_attn_us: float | None
+    notes: str
+
+
+def _time_baseline(
+    timer: Timer, make: Callable[[], Callable[[], torch.Tensor]], expected: torch.Tensor
+) -> tuple[float | None, str]:
+    """Seconds, or None and why; a baseline that disagrees with the kernel is flagged."""
+    try:
+        fn = make()
+        diff = (fn().float() - expected.float()).abs().max().item()
+        seconds = timer(fn)
+    except ImportError:
+        return None, ""
+    except Exception as exc:  # a baseline that cannot run this shape is reported, not fatal
+        return None, f"{exc.__class__.__name__}: {(str(exc).splitlines() or [''])[0][:80]}"
+    tol = 2e-2 if expected.dtype in (torch.bfloat16, torch.float16) else 1e-4
+    return seconds, "" if diff <= tol else f"differs from the kernel by {diff:.2g}"
+
+
+def bench_shape(case: Case, timer: Timer, copy_bps: float, num_splits: int | None) -> Row:
+    kernel = _kernel_under_test(case, num_splits)
+    expected = kernel()
+    seconds = timer(kernel)
+    nbytes = case.shape.kv_bytes(case.k_cache.dtype)
+    splits = None
+    if case.q.is_cuda:
+        from kernels import triton_attention
+
+        window = case.shape.window
+        args = (case.q, case.k_cache, case.v_cache, case.tables, window, num_splits)
+        splits = triton_attention.plan_decode(*args).num_splits
+    notes = []
+    baselines = {}
+    for name, make in (("sdpa", _sdpa), ("flashinfer", _flashinfer), ("flash_attn", _flash_attn)):
+        baselines[name], note = _time_baseline(timer, lambda make=make: make(case), expected)
+        if note:
+            notes.append(f"{name}: {note}")
+    return Row(
+        shape=case.shape.name,
+        kv_mib=nbytes / 2**20,
+        num_splits=splits,
+        us=seconds * 1e6,
+        gbs=nbytes / seconds / 1e9,
+        copy_frac=nbytes / seconds / copy_bps,
+        sdpa_us=_us(baselines["sdpa"]),
+        flashinfer_us=_us(baselines["flashinfer"]),
+        flash_attn_us=_us(baselines["flash_attn"]),
+        notes="; ".join(notes),
+    )
+
+
+def _us(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e6
+
+
+def markdown(rows: list[Row], kernel: str, copy_gbs: float) -> str:
+    head = (
+        f"| shape | K/V MiB | splits | {kernel} µs | GB/s | of copy BW | SDPA µs (dense) "
+        "| FlashInfer µs | flash-attn µs |"
+    )
+    lines = [head, "|" + "---|" * 9]
+    cell = lambda x, f="{:.1f}": "–" if x is None else f.format(x)  # noqa: E731
+    for r in rows:
+        lines.append(
+            f"| {r.shape} | {r.kv_mib:.3g} | {cell(r.num_splits, '{}')} | {r.us:.1f} "
+            f"| {r.gbs:.1f} | {r.copy_frac:.0%} | {cell(r.sdpa_us)} | {cell(r.flashinfer_us)} "
+            f"| {cell(r.flash_attn_us)} |"
+        )
+    notes = [f"- {r.shape}: {r.notes}" for r in rows if r.notes]
+    footer = [f"\nDevice copy bandwidth (read + write): {copy_gbs:.0f} GB/s."]
+    return "\n".join(lines + footer + (["", "Baselines not run:", *notes] if notes else []))
+
+
+def environment(device: str) -> dict:
+    env = {"device": platform.processor() or platform.machine(), "torch": torch.__version__}
+    if device.startswith("cuda"):
+        env["device"] = torch.cuda.get_device_name(device)
+        import triton
+
+        env["triton"] = triton.__version__
+    return env
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m kernels.bench", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (torch path)")
+    parser.add_argument("--out", type=Path, help="write PREFIX.md and PREFIX.json")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--num-splits", type=int, help="force split-K (default: the heuristic)")
+    parser.add_argument("--only", help="run shapes whose name contains this text")
+    parser.add_argument("--no-flush", action="store_true", help="keep L2 warm between repeats")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: use --smoke for a CPU run of the torch path", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, args.dtype)
+    repeats, warmup = (3, 1) if args.smoke else (args.repeats, args.warmup)
+    timer = Timer(device, repeats, warmup, flush=not args.no_flush)
+    copy_bps = copy_bandwidth(timer, device, (16 << 20) if args.smoke else (1 << 30))
+    shapes = smoke_shapes() if args.smoke else full_shapes()
+    shapes = [s for s in shapes if not args.only or args.only in s.name]
+    rows = []
+    for shape in shapes:
+        case = build_case(shape, args.block_size, dtype, device)
+        rows.append(bench_shape(case, timer, copy_bps, args.num_splits))
+        print(f"{shape.name}: {rows[-1].us:.1f} us", file=sys.stderr)
+        del case
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    kernel = "triton" if device == "cuda" else "torch"
+    table = markdown(rows, kernel, copy_bps / 1e9)
+    print(table)
+    if args.out:
+        _write(args, rows, table, kernel, copy_bps, device)
+    return 0
+
+
+def _write(args, rows: list[Row], table: str, kernel: str, copy_bps: float, device: str) -> None:
+    env = environment(device)
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    command = "python -m kernels.bench " + " ".join(sys.argv[1:])
+    meta = {**env, "date": date, "command": command, "kernel": kernel}
+    meta |= {"block_size": args.block_size, "dtype": args.dtype, "copy_gbs": copy_bps / 1e9}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    record = {**meta, "rows": [asdict(r) for r in rows]}
+    args.out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+    header = "\n".join(f"- {k}: {v}" for k, v in meta.items())
+    args.out.with_suffix(".md").write_text(f"# Paged decode attention\n\n{header}\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
