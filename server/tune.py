@@ -578,15 +578,28 @@ class TuneReport:
         return [s.name for s in self.sweeps]
 
     @property
+    def varying(self) -> list[str]:
+        """The swept settings with more than one value: the table's columns."""
+        names = [s.name for s in self.sweeps if len(s.values) > 1]
+        return names or self.names
+
+    @property
+    def fixed(self) -> dict[str, Any]:
+        """Settings given as a one-value sweep: the same at every point."""
+        return {s.name: s.values[0] for s in self.sweeps if s.name not in self.varying}
+
+    @property
     def best(self) -> PointResult | None:
         return best_point(self.points, self.objective)
 
     def markdown(self) -> str:
         best = self.best
         head = f"kvserve tune: {Path(self.base.model).name}, {workload_text(self.workload)}"
+        if self.fixed:
+            head += f"; every point with {format_settings(self.fixed)}"
         if len(self.points) < self.planned:
             head += f"; {len(self.points)} of {self.planned} points ran"
-        table = markdown_table(self.points, self.names, best)
+        table = markdown_table(self.points, self.varying, best)
         return "\n\n".join(
             [head, table, "\n".join(summary_lines(self.points, self.objective, best))]
         )
@@ -647,9 +660,8 @@ def tune_figure(report: TuneReport) -> Figure:
     twin.plot(x, latencies, "o", color="black", label=dots.label)
     twin.set_ylabel(dots.label)
     twin.set_ylim(0, max([v for v in latencies if math.isfinite(v)], default=1.0) * 1.1)
-    varying = [n for n in report.names if len({format_value(p.settings[n]) for p in points}) > 1]
     labels = [
-        "\n".join([f"#{p.index}", *(f"{n}={format_value(p.settings[n])}" for n in varying)])
+        "\n".join([f"#{p.index}", *(f"{n}={format_value(p.settings[n])}" for n in report.varying)])
         for p in points
     ]
     ax.set_xticks(x, labels, fontsize=8)

@@ -381,6 +381,18 @@ def test_markdown_names_the_best_point_and_points_that_did_not_run():
     assert "goodput req/s" in report("goodput", SLO(ttft_ms=100.0)).markdown()
 
 
+def test_one_value_sweeps_are_named_once_above_the_table_not_as_columns():
+    sweeps = [Sweep("max_num_seqs", (1, 4)), Sweep("swap_space_gib", (0.05,))]
+    points = [
+        PointResult(i, s, a, metrics()) for i, (s, a) in enumerate(sweep_points(BASE, sweeps), 1)
+    ]
+    r = TuneReport("throughput", sweeps, BASE, BenchConfig(), points, planned=2)
+    head, table = r.markdown().split("\n\n")[:2]
+    assert head.endswith("; every point with swap_space_gib=0.05")
+    assert "swap_space_gib" not in table and "max_num_seqs" in table
+    assert r.fixed == {"swap_space_gib": 0.05} and r.varying == ["max_num_seqs"]
+
+
 def test_report_files_csv_json_and_png(tmp_path):
     r = report("goodput", SLO(ttft_ms=100.0))
     paths = r.write(tmp_path / "out")
