@@ -66,17 +66,20 @@ class Objective:
     metric: str  # a PointMetrics field
     maximize: bool
     label: str
+    unit: str
 
 
 OBJECTIVES = {
     o.name: o
     for o in (
-        Objective("goodput", "goodput", True, "goodput (req/s)"),
-        Objective("throughput", "output_throughput", True, "output tok/s"),
-        Objective("p99_ttft", "p99_ttft_ms", False, "p99 TTFT (ms)"),
-        Objective("p99_itl", "p99_itl_ms", False, "p99 ITL (ms)"),
+        Objective("goodput", "goodput", True, "goodput", "req/s"),
+        Objective("throughput", "output_throughput", True, "output", "tok/s"),
+        Objective("p99_ttft", "p99_ttft_ms", False, "p99 TTFT", "ms"),
+        Objective("p99_itl", "p99_itl_ms", False, "p99 ITL", "ms"),
     )
 }
+# How best_point breaks ties, by whether the objective is maximized.
+SECONDARY = {True: "lower p99 TTFT", False: "higher output tok/s"}
 
 
 # --- the sweep ------------------------------------------------------------------------------
@@ -423,19 +426,6 @@ def best_point(points: Sequence[PointResult], objective: str) -> PointResult | N
     then sweep order.
     """
     obj = OBJECTIVES[objective]
-    ran = [p for p in points if p.metrics and p.metrics.completed and _has(p, obj.metric)]
-    if not ran:
-        return None
-    if not obj.maximize:
-        most = max(p.metrics.completed for p in ran)
-        ran = [p for p in ran if p.metrics.completed == most]
-    values = [p.value(obj.metric) for p in ran]
-    if obj.maximize:
-        edge = max(values) * (1 - TIE_TOLERANCE)
-        tied = [p for p, v in zip(ran, values) if v >= edge]
-    else:
-        edge = min(values) * (1 + TIE_TOLERANCE)
-        tied = [p for p, v in zip(ran, values) if v <= edge]
 
     def secondary(p: PointResult) -> float:
         if obj.maximize:
@@ -443,7 +433,25 @@ def best_point(points: Sequence[PointResult], objective: str) -> PointResult | N
             return math.inf if ttft is None else ttft
         return -p.metrics.output_throughput
 
-    return min(tied, key=lambda p: (p.metrics.failed, secondary(p), p.index))
+    tied = tied_points(points, objective)
+    return min(tied, key=lambda p: (p.metrics.failed, secondary(p), p.index), default=None)
+
+
+def tied_points(points: Sequence[PointResult], objective: str) -> list[PointResult]:
+    """The points eligible for ``objective`` whose value is within TIE_TOLERANCE of the best."""
+    obj = OBJECTIVES[objective]
+    ran = [p for p in points if p.metrics and p.metrics.completed and _has(p, obj.metric)]
+    if not ran:
+        return []
+    if not obj.maximize:
+        most = max(p.metrics.completed for p in ran)
+        ran = [p for p in ran if p.metrics.completed == most]
+    values = [p.value(obj.metric) for p in ran]
+    if obj.maximize:
+        edge = max(values) * (1 - TIE_TOLERANCE)
+        return [p for p, v in zip(ran, values) if v >= edge]
+    edge = min(values) * (1 + TIE_TOLERANCE)
+    return [p for p, v in zip(ran, values) if v <= edge]
 
 
 def _has(p: PointResult, metric: str) -> bool:
@@ -509,18 +517,31 @@ def markdown_table(
 
 
 def summary_lines(
-    points: Sequence[PointResult], objective: str, best: PointResult | None
+    points: Sequence[PointResult],
+    objective: str,
+    best: PointResult | None,
+    names: Sequence[str] | None = None,
 ) -> list[str]:
+    """The verdict under the table; ``names`` are the settings worth repeating (default all)."""
     obj = OBJECTIVES[objective]
     lines = []
     if best is None:
         lines.append(f"No point measured {obj.label}; nothing to choose.")
     else:
-        value = _fmt(best.value(obj.metric), ".2f")
-        lines.append(
-            f"Best for {objective} ({'max' if obj.maximize else 'min'} {obj.label}): "
-            f"#{best.index} {format_settings(best.settings)} -> {value}"
+        settings = {n: best.settings[n] for n in names or best.settings}
+        value = _fmt(best.value(obj.metric), ".3g")
+        extreme = "highest" if obj.maximize else "lowest"
+        line = (
+            f"Best for {objective}: #{best.index} {format_settings(settings)} "
+            f"({obj.label} {value} {obj.unit}, the {extreme})"
         )
+        others = [f"#{p.index}" for p in tied_points(points, objective) if p is not best]
+        if others:
+            line += (
+                f"; {', '.join(others)} within {TIE_TOLERANCE:.0%}, "
+                f"ties broken by fewer failures, then {SECONDARY[obj.maximize]}"
+            )
+        lines.append(line)
     for p in points:
         if p.error:
             lines.append(f"#{p.index} did not run: {p.error}")
@@ -601,7 +622,7 @@ class TuneReport:
             head += f"; {len(self.points)} of {self.planned} points ran"
         table = markdown_table(self.points, self.varying, best)
         return "\n\n".join(
-            [head, table, "\n".join(summary_lines(self.points, self.objective, best))]
+            [head, table, "\n".join(summary_lines(self.points, self.objective, best, self.varying))]
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -652,13 +673,13 @@ def tune_figure(report: TuneReport) -> Figure:
     for xi, p in zip(x, points):
         if p.metrics is None:
             ax.text(xi, 0, "failed", ha="center", va="bottom", rotation=90, color="tab:red")
-    ax.set_ylabel(bars.label)
+    ax.set_ylabel(f"{bars.label} ({bars.unit})")
     ax.set_ylim(0, max(heights, default=0.0) * 1.1 or 1.0)
     ax.grid(axis="y", alpha=0.3)
     twin = ax.twinx()
     latencies = [_nan(p.value(dots.metric)) for p in points]
-    twin.plot(x, latencies, "o", color="black", label=dots.label)
-    twin.set_ylabel(dots.label)
+    twin.plot(x, latencies, "o", color="black", label=f"{dots.label} ({dots.unit})")
+    twin.set_ylabel(f"{dots.label} ({dots.unit})")
     twin.set_ylim(0, max([v for v in latencies if math.isfinite(v)], default=1.0) * 1.1)
     labels = [
         "\n".join([f"#{p.index}", *(f"{n}={format_value(p.settings[n])}" for n in report.varying)])

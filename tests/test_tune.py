@@ -374,11 +374,14 @@ def test_markdown_table_has_a_row_per_point_and_stars_the_best():
 
 def test_markdown_names_the_best_point_and_points_that_did_not_run():
     text = report().markdown()
-    assert (
-        "Best for throughput (max output tok/s): #2 max_num_seqs=1 context_overflow=shift" in text
-    )
+    best = "#2 max_num_seqs=1 context_overflow=shift (output 80 tok/s, the highest)"
+    assert f"Best for throughput: {best}\n" in text
     assert "#3 did not run: RuntimeError: out of memory" in text
-    assert "goodput req/s" in report("goodput", SLO(ttft_ms=100.0)).markdown()
+    text = report("goodput", SLO(ttft_ms=100.0)).markdown()
+    assert "goodput req/s" in text
+    best = "#1 max_num_seqs=1 context_overflow=error (goodput 0.5 req/s, the highest)"
+    tie = "#2, #4 within 2%, ties broken by fewer failures, then lower p99 TTFT"
+    assert f"Best for goodput: {best}; {tie}\n" in text
 
 
 def test_one_value_sweeps_are_named_once_above_the_table_not_as_columns():
@@ -466,9 +469,7 @@ def test_real_two_point_sweep_over_smollm2(smollm2_dir, tmp_path, capsys, monkey
     assert [int(row["errors"]) + int(row["rejected"]) for row in rows] == [0, 0]
     assert sum(int(row["best"]) for row in rows) == 1
     best = next(row for row in rows if row["best"] == "1")
-    assert f"Best for throughput (max output tok/s): #{best['index']} max_num_seqs=" in (
-        captured.out
-    )
+    assert f"Best for throughput: #{best['index']} max_num_seqs=" in captured.out
 
     data = json.loads((out / "tune.json").read_text())
     assert data["best"] == int(best["index"])
