@@ -82,6 +82,7 @@ def _attend(
     stride_vb,
     stride_vd,
     PAGED: tl.constexpr,
+    SHARED_V: tl.constexpr,
     BS: tl.constexpr,
     RING: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -101,6 +102,7 @@ def _attend(
     PAGED: position p is read from the cache through the block table (a ring when RING).
     Otherwise p is a row index into contiguous k/v (the new tokens of a prefill chunk).
     ``q_pos`` are the rows' positions in the same coordinates, for the causal/window masks.
+    SHARED_V: v is exactly the power-of-two part of k (MLA's latent), so the K tile is reused.
     The loop body is written out rather than split into helpers: the interpreter re-patches
     triton.language on every device-function call, which would dominate the test run time.
     """
@@ -123,9 +125,10 @@ def _attend(
 
         k_mask = valid[:, None] & (d1 < D1)[None, :]
         k1 = tl.load(k_ptr + k_off[:, None] + d1[None, :] * stride_kd, mask=k_mask, other=0.0)
+        k_dot = k1
         if UPCAST:
-            k1 = k1.to(tl.float32)
-        s = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
+            k_dot = k_dot.to(tl.float32)
+        s = tl.dot(q1, tl.trans(k_dot), input_precision=PRECISION)
         if D2 > 0:
             k_mask = valid[:, None] & (d2 < D1 + D2)[None, :]
             k2 = tl.load(k_ptr + k_off[:, None] + d2[None, :] * stride_kd, mask=k_mask, other=0.0)
@@ -148,8 +151,11 @@ def _attend(
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
-        v_mask = valid[:, None] & (dv < DV)[None, :]
-        v = tl.load(v_ptr + v_off[:, None] + dv[None, :] * stride_vd, mask=v_mask, other=0.0)
+        if SHARED_V:
+            v = k1
+        else:
+            v_mask = valid[:, None] & (dv < DV)[None, :]
+            v = tl.load(v_ptr + v_off[:, None] + dv[None, :] * stride_vd, mask=v_mask, other=0.0)
         p = p.to(v.dtype)
         if UPCAST:
             p = p.to(tl.float32)
@@ -221,6 +227,7 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr,
     BS: tl.constexpr,
     WINDOWED: tl.constexpr,
+    SHARED_V: tl.constexpr,
     D1: tl.constexpr,
     D2: tl.constexpr,
     DV: tl.constexpr,
@@ -262,8 +269,9 @@ def _decode_kernel(
         acc, m_i, l_i, q1, q2, q_pos, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
         table_ptr + seq.to(tl.int64) * stride_tb, ring_len, split_lo, split_hi, window, qk_scale,
         stride_kn, stride_kb, stride_kd, stride_vn, stride_vb, stride_vd,
-        True, BS, WINDOWED, False, False, D1, D2, DV, BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV,
-        PRECISION, UPCAST,
+        PAGED=True, SHARED_V=SHARED_V, BS=BS, RING=WINDOWED, CAUSAL=False, WINDOWED=False,
+        D1=D1, D2=D2, DV=DV, BLOCK_N=BLOCK_N, BLOCK_D1=BLOCK_D1, BLOCK_D2=BLOCK_D2,
+        BLOCK_DV=BLOCK_DV, PRECISION=PRECISION, UPCAST=UPCAST,
     )  # fmt: skip
 
     dv = tl.arange(0, BLOCK_DV)
@@ -351,6 +359,8 @@ def _prefill_kernel(
     HEAD_TILES: tl.constexpr,
     BS: tl.constexpr,
     WINDOWED: tl.constexpr,
+    SHARED_V: tl.constexpr,
+    SHARED_V_NEW: tl.constexpr,
     D1: tl.constexpr,
     D2: tl.constexpr,
     DV: tl.constexpr,
@@ -403,8 +413,10 @@ def _prefill_kernel(
         acc, m_i, l_i, q1, q2, prefix + q_idx, k_cache_ptr + kv_head * stride_kch,
         v_cache_ptr + kv_head * stride_vch, table_ptr + seq.to(tl.int64) * stride_tb, ring_len,
         lo, hi, window, qk_scale, stride_kcn, stride_kcb, stride_kcd, stride_vcn, stride_vcb,
-        stride_vcd, True, BS, WINDOWED, False, WINDOWED, D1, D2, DV, BLOCK_N, BLOCK_D1, BLOCK_D2,
-        BLOCK_DV, PRECISION, UPCAST,
+        stride_vcd,
+        PAGED=True, SHARED_V=SHARED_V, BS=BS, RING=WINDOWED, CAUSAL=False, WINDOWED=WINDOWED,
+        D1=D1, D2=D2, DV=DV, BLOCK_N=BLOCK_N, BLOCK_D1=BLOCK_D1, BLOCK_D2=BLOCK_D2,
+        BLOCK_DV=BLOCK_DV, PRECISION=PRECISION, UPCAST=UPCAST,
     )  # fmt: skip
 
     # The chunk's own keys come from k/v (not yet in the cache), causally, by row index.
@@ -417,8 +429,9 @@ def _prefill_kernel(
         acc, m_i, l_i, q1, q2, q_idx, k_ptr + first * stride_kt + kv_head * stride_kh,
         v_ptr + first * stride_vt + kv_head * stride_vh, table_ptr, ring_len,
         j_lo, j_hi, window, qk_scale, stride_kt, 0, stride_kd, stride_vt, 0, stride_vd,
-        False, BS, False, True, WINDOWED, D1, D2, DV, BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV,
-        PRECISION, UPCAST,
+        PAGED=False, SHARED_V=SHARED_V_NEW, BS=BS, RING=False, CAUSAL=True, WINDOWED=WINDOWED,
+        D1=D1, D2=D2, DV=DV, BLOCK_N=BLOCK_N, BLOCK_D1=BLOCK_D1, BLOCK_D2=BLOCK_D2,
+        BLOCK_DV=BLOCK_DV, PRECISION=PRECISION, UPCAST=UPCAST,
     )  # fmt: skip
 
     dv = tl.arange(0, BLOCK_DV)
@@ -442,6 +455,12 @@ def _split_head_dim(dk: int) -> tuple[int, int]:
 @functools.lru_cache(maxsize=8)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _v_is_k_prefix(k: torch.Tensor, v: torch.Tensor, d1: int) -> bool:
+    """v is the first d1 columns of k's own rows (MLA's latent view)."""
+    same_rows = v.shape[:-1] == k.shape[:-1] and v.stride() == k.stride()
+    return same_rows and v.data_ptr() == k.data_ptr() and v.shape[-1] == d1
 
 
 def _interpreted() -> bool:
@@ -573,7 +592,8 @@ def decode_attention(
         scale * _LOG2E, window, block_tables.shape[1], num_heads,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
         GROUP=num_heads // num_kv_heads, HEAD_TILES=plan.head_tiles, NUM_SPLITS=num_splits,
-        BS=block_size, WINDOWED=window > 0, BLOCK_G=plan.block_g, **meta,
+        BS=block_size, WINDOWED=window > 0, BLOCK_G=plan.block_g,
+        SHARED_V=_v_is_k_prefix(k_cache, v_cache, meta["D1"]), **meta,
     )  # fmt: skip
     if num_splits > 1:
         _merge_kernel[(batch, num_heads)](
@@ -615,6 +635,8 @@ def prefill_attention(
         *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0), *out.stride(),
         GROUP=group, HEAD_TILES=head_tiles, BS=block_size, WINDOWED=window > 0,
+        SHARED_V=_v_is_k_prefix(k_cache, v_cache, meta["D1"]),
+        SHARED_V_NEW=_v_is_k_prefix(k, v, meta["D1"]),
         BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_SEQS=_pow2(batch, 1), **meta,
     )  # fmt: skip
     return out

@@ -5,8 +5,10 @@ is imported). Every cache slot a kernel must not read holds NaN: slots past a se
 positions older than the window, and table entries past a sequence (they point at a block that is
 NaN throughout). A read outside the allowed positions therefore turns the output into NaN.
 
-Tolerances: fp32 caches 1e-4 (the interpreter computes in fp32 as the reference does); bf16
-caches 2e-2, since probabilities enter the P @ V product rounded to bf16.
+Tolerances: fp32 caches 1e-4 (the kernels use full-fp32 dots, no tf32, as the reference does);
+bf16 caches 2e-2, since probabilities enter the P @ V product rounded to bf16. The interpreter
+cannot multiply bf16 itself, so there the kernels' bf16 dots run on fp32 copies of the same
+bf16 operands (exact products; only the summation order differs from the GPU).
 """
 
 from __future__ import annotations
@@ -125,11 +127,9 @@ def _paged_cache(
         if not mla:
             rows = torch.randn(len(pos), num_kv_heads, dv, generator=gen)
             reference.write_cache(v_cache, rows, slots)
-    return PagedCache(k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE))
-
-
-def _mla_view(cache: PagedCache, dv: int) -> PagedCache:
-    return PagedCache(cache.k_cache, cache.k_cache[..., :dv], cache.tables)
+    k_cache = k_cache.to(DEVICE)
+    v_cache = k_cache[..., :dv] if mla else v_cache.to(DEVICE)  # keep MLA's v a view of k
+    return PagedCache(k_cache, v_cache, tables.to(DEVICE))
 
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
