@@ -25,6 +25,7 @@ import logging
 import math
 import socket
 import sys
+import textwrap
 import threading
 import time
 import types
@@ -58,6 +59,7 @@ DEFAULT_MAX_POINTS = 16
 # Points within this fraction of the best value tie: a rerun of the same point moves its
 # throughput and p99 latencies by about that much, so a smaller lead is not a win.
 TIE_TOLERANCE = 0.02
+MAX_PLOT_WIDTH = 16.0  # inches
 
 
 @dataclass(frozen=True)
@@ -559,7 +561,19 @@ def workload_text(w: BenchConfig) -> str:
         pace = f"at {w.request_rate:g} req/s"
     if w.max_concurrency:
         pace += f", at most {w.max_concurrency} in flight"
-    return f"{w.num_prompts} requests per point {prompts}, {pace}"
+    text = f"{w.num_prompts} requests per point {prompts}, {pace}"
+    if w.slo.defined:
+        terms = [
+            f"{name} <= {ms:g} ms"
+            for name, ms in (
+                ("TTFT", w.slo.ttft_ms),
+                ("TPOT", w.slo.tpot_ms),
+                ("E2E", w.slo.e2e_ms),
+            )
+            if ms is not None
+        ]
+        text += f"; SLO {', '.join(terms)}"
+    return text
 
 
 CSV_METRICS = [f.name for f in dataclasses.fields(PointMetrics)]
@@ -610,16 +624,22 @@ class TuneReport:
         return {s.name: s.values[0] for s in self.sweeps if s.name not in self.varying}
 
     @property
+    def description(self) -> str:
+        """The workload, the fixed settings and how much of the sweep ran, in a line."""
+        text = workload_text(self.workload)
+        if self.fixed:
+            text += f"; every point with {format_settings(self.fixed)}"
+        if len(self.points) < self.planned:
+            text += f"; {len(self.points)} of {self.planned} points ran"
+        return text
+
+    @property
     def best(self) -> PointResult | None:
         return best_point(self.points, self.objective)
 
     def markdown(self) -> str:
         best = self.best
-        head = f"kvserve tune: {Path(self.base.model).name}, {workload_text(self.workload)}"
-        if self.fixed:
-            head += f"; every point with {format_settings(self.fixed)}"
-        if len(self.points) < self.planned:
-            head += f"; {len(self.points)} of {self.planned} points ran"
+        head = f"kvserve tune: {Path(self.base.model).name}, {self.description}"
         table = markdown_table(self.points, self.varying, best)
         return "\n\n".join(
             [head, table, "\n".join(summary_lines(self.points, self.objective, best, self.varying))]
@@ -662,8 +682,9 @@ def tune_figure(report: TuneReport) -> Figure:
     points, best = report.points, report.best
     bars = OBJECTIVES["goodput" if report.objective == "goodput" else "throughput"]
     dots = OBJECTIVES["p99_itl" if report.objective == "p99_itl" else "p99_ttft"]
+    labels, xlabel, width = _tick_labels(report)
+    fig = Figure(figsize=(width, 4.8), layout="constrained")
     x = np.arange(len(points))
-    fig = Figure(figsize=(max(6.0, 1.1 * len(points) + 2.5), 4.8), layout="constrained")
     ax = fig.subplots()
     heights = [p.value(bars.metric) or 0.0 for p in points]
     colors = ["tab:orange" if p is best else "tab:blue" for p in points]
@@ -681,18 +702,41 @@ def tune_figure(report: TuneReport) -> Figure:
     twin.plot(x, latencies, "o", color="black", label=f"{dots.label} ({dots.unit})")
     twin.set_ylabel(f"{dots.label} ({dots.unit})")
     twin.set_ylim(0, max([v for v in latencies if math.isfinite(v)], default=1.0) * 1.1)
-    labels = [
-        "\n".join([f"#{p.index}", *(f"{n}={format_value(p.settings[n])}" for n in report.varying)])
-        for p in points
-    ]
     ax.set_xticks(x, labels, fontsize=8)
+    ax.set_xlabel(xlabel, fontsize=8)
     handles = [Patch(color="tab:blue", label="point")]
     if best is not None:
         handles.append(Patch(color="tab:orange", label=f"best for {report.objective}"))
     handles.append(twin.get_lines()[0])
     fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8)
-    ax.set_title(f"kvserve tune: {Path(report.base.model).name}", fontsize=10)
+    fig.suptitle(f"kvserve tune: {Path(report.base.model).name}", fontsize=10)
+    chars = int(fig.get_figwidth() * 14)  # of the 8 pt subtitle
+    ax.set_title(textwrap.fill(report.description, chars), fontsize=8)
     return fig
+
+
+def _tick_labels(report: TuneReport) -> tuple[list[str], str, float]:
+    """Tick labels, the x-axis label and the figure width in inches.
+
+    Each tick reads ``name=value`` per line while the figure stays under MAX_PLOT_WIDTH;
+    past that only the values, with the names once on the axis.
+    """
+    names, points = report.varying, report.points
+
+    def fit(labels: list[str]) -> float:
+        longest = max(len(line) for label in labels for line in label.split("\n"))
+        return max(6.0, len(points) * max(0.8, 0.07 * longest) + 2.5)  # 0.07 in: 8 pt char
+
+    full = [
+        "\n".join([f"#{p.index}", *(f"{n}={format_value(p.settings[n])}" for n in names)])
+        for p in points
+    ]
+    if fit(full) <= MAX_PLOT_WIDTH:
+        return full, "", fit(full)
+    short = [
+        "\n".join([f"#{p.index}", *(format_value(p.settings[n]) for n in names)]) for p in points
+    ]
+    return short, " / ".join(names), min(fit(short), MAX_PLOT_WIDTH)
 
 
 def _nan(value: float | None) -> float:
