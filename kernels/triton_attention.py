@@ -463,6 +463,11 @@ def _v_is_k_prefix(k: torch.Tensor, v: torch.Tensor, d1: int) -> bool:
     return same_rows and v.data_ptr() == k.data_ptr() and v.shape[-1] == d1
 
 
+def _rows_contiguous(block_tables: torch.Tensor) -> torch.Tensor:
+    # The kernels step through a table row with stride 1 (a row slice keeps that).
+    return block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+
+
 def _interpreted() -> bool:
     return not isinstance(_decode_kernel, triton.runtime.JITFunction)
 
@@ -545,6 +550,7 @@ def plan_decode(
     window: int = 0,
     num_splits: int | None = None,
 ) -> DecodePlan:
+    """How ``decode_attention`` will launch for these inputs (the benchmark reports it)."""
     num_kv_heads = k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     block_g = min(_pow2(group), _rows_budget(_pow2(v_cache.shape[-1])))
@@ -569,13 +575,18 @@ def decode_attention(
     *,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence (already written to the cache) -> [B, Hq, Dv]."""
+    """One query token per sequence (already written to the cache) -> [B, Hq, Dv].
+
+    Grid: (B, KV heads x head tiles, splits); see ``plan_decode``. ``num_splits`` overrides the
+    heuristic (tests force split-K on and off with it).
+    """
     batch, num_heads, _ = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     dv = v_cache.shape[-1]
     out = torch.empty(batch, num_heads, dv, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
+    block_tables = _rows_contiguous(block_tables)
     meta = _common_meta(q, k_cache, v_cache)
     plan = plan_decode(q, k_cache, v_cache, block_tables, window, num_splits)
     num_splits = plan.num_splits
@@ -615,7 +626,14 @@ def prefill_attention(
     scale: float,
     window: int = 0,
 ) -> torch.Tensor:
-    """Chunks of new tokens attending causally to themselves and to their cached prefix."""
+    """Chunks of new tokens attending causally to themselves and to their cached prefix.
+
+    Grid: (query tiles of all sequences, KV heads x head tiles). A program takes BLOCK_Q tokens
+    times BLOCK_G query heads of one KV head as its rows, walks the cached prefix through the
+    block table, then the chunk's own keys up to its last row.
+    """
+    assert k.dtype == k_cache.dtype and v.dtype == v_cache.dtype, "new K/V in the cache dtype"
+    block_tables = _rows_contiguous(block_tables)
     num_tokens, num_heads, _ = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty(num_tokens, num_heads, v.shape[-1], dtype=q.dtype, device=q.device)

@@ -31,21 +31,21 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
-def _openblas_thread_setters() -> list:
-    """``set_num_threads`` of every OpenBLAS loaded in this process (numpy bundles its own)."""
+def _openblas_libraries() -> list[tuple[ctypes.CDLL, str, str]]:
+    """Every OpenBLAS loaded in this process (numpy bundles its own) and its symbol prefix."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "openblas" in line.lower()}
     except OSError:
         return []
-    setters = []
+    found = []
     for path in sorted(paths):
         lib = ctypes.CDLL(path)
-        for name in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads"):
-            if hasattr(lib, name):
-                setters.append(getattr(lib, name))
+        for prefix, suffix in (("scipy_openblas_", "64_"), ("openblas_", "")):
+            if hasattr(lib, f"{prefix}set_num_threads{suffix}"):
+                found.append((lib, prefix, suffix))
                 break
-    return setters
+    return found
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -55,12 +55,14 @@ def _single_threaded_interpreter_dots():
     if torch.cuda.is_available():
         yield
         return
-    setters = _openblas_thread_setters()
-    for set_threads in setters:
+    saved = []
+    for lib, prefix, suffix in _openblas_libraries():
+        set_threads = getattr(lib, f"{prefix}set_num_threads{suffix}")
+        saved.append((set_threads, getattr(lib, f"{prefix}get_num_threads{suffix}")()))
         set_threads(1)
     yield
-    for set_threads in setters:
-        set_threads(os.cpu_count() or 1)
+    for set_threads, threads in saved:
+        set_threads(threads)
 
 
 def test_kernels_run_under_interpreter_without_gpu():
