@@ -863,7 +863,9 @@ def main(argv: list[str]) -> int:
         print(f"kvserve tune: {e}", file=sys.stderr)
         return 2
     if not args.verbose:
-        logging.getLogger("kvserve").setLevel(logging.WARNING)
+        # The engine logs its layout at every start and httpx every request: per point, noise.
+        for name in ("kvserve", "httpx"):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
