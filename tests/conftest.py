@@ -6,6 +6,9 @@ import os
 
 import pytest
 
+# The Triton interpreter's dots run in numpy; threaded BLAS on 2 shared cores only thrashes.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 # Triton kernels run under the interpreter when there is no GPU; set before triton is imported.
 try:
     import torch
