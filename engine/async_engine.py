@@ -69,6 +69,11 @@ class AsyncEngine:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    @property
+    def registry(self):
+        """The engine's Prometheus registry, for /metrics."""
+        return self.engine.metrics.registry
+
     def shutdown(self) -> None:
         self._stopping.set()
         self._commands.put(("wake",))

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -81,6 +82,7 @@ class SubRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    priority: int = 0
 
 
 @dataclass
@@ -147,7 +149,8 @@ class Generation:
         self.subs = subs
         self.choices = {sub.index: ChoiceState(sub.index) for sub in subs}
         streams = [
-            engine.generate(sub.prompt_token_ids, sub.params, sub.request_id) for sub in subs
+            engine.generate(sub.prompt_token_ids, sub.params, sub.request_id, sub.priority)
+            for sub in subs
         ]
         self._stream = merge_streams(streams)
         self._first: tuple[int, RequestOutput] | None = None
@@ -249,6 +252,7 @@ class OpenAIServer:
         prompts: list[list[int]],
         n: int,
         make_params: Callable[[int], SamplingParams],
+        priority: int = 0,
     ) -> Generation:
         subs = []
         for p, ids in enumerate(prompts):
@@ -257,7 +261,7 @@ class OpenAIServer:
                 if k == 0:
                     self.engine.validate(ids, params)
                 index = p * n + k
-                subs.append(SubRequest(index, f"{rid}-{index}", ids, params))
+                subs.append(SubRequest(index, f"{rid}-{index}", ids, params, priority))
         gen = Generation(self.engine, subs)
         await gen.start()
         return gen
@@ -301,7 +305,7 @@ class OpenAIServer:
         def make_params(k: int) -> SamplingParams:
             return req.sampling_params(req.max_tokens, req.logprobs, seed_offset=k)
 
-        gen = await self.generation(rid, prompts, req.n, make_params)
+        gen = await self.generation(rid, prompts, req.n, make_params, req.priority)
         usage_prompt = sum(len(ids) for ids in prompts)
         if req.stream:
             return sse_response(self.completion_events(rid, gen, req, usage_prompt))
@@ -389,7 +393,7 @@ class OpenAIServer:
         def make_params(k: int) -> SamplingParams:
             return req.sampling_params(req.max_new_tokens, req.num_logprobs, seed_offset=k)
 
-        gen = await self.generation(rid, [prompt], req.n, make_params)
+        gen = await self.generation(rid, [prompt], req.n, make_params, req.priority)
         if req.stream:
             return sse_response(self.chat_events(rid, gen, req, len(prompt)))
         choices = await self.collect(gen, request)
@@ -605,6 +609,10 @@ def build_app(
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(generate_latest(engine.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> Response:

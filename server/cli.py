@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.config import EngineArgs
+from engine.overflow import CONTEXT_POLICIES, PREEMPTION_MODES
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -45,6 +46,48 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--attention-backend", choices=["torch", "triton"], default=None, help="default: by device"
     )
     g.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
+    o = parser.add_argument_group("overflow policies (a request may override the context one)")
+    o.add_argument(
+        "--context-overflow",
+        choices=CONTEXT_POLICIES,
+        default="error",
+        help="when prompt + generation reach --max-model-len: error (400), truncate the prompt, "
+        "stop (finish_reason length), shift the cache (llama.cpp), sink (StreamingLLM)",
+    )
+    o.add_argument(
+        "--context-n-keep", type=int, default=None, help="tokens kept at the start (default 4)"
+    )
+    o.add_argument(
+        "--context-n-discard",
+        type=int,
+        default=None,
+        help="tokens a shift discards (default: half the rest; sink: one block)",
+    )
+    o.add_argument(
+        "--preemption-mode",
+        choices=PREEMPTION_MODES,
+        default="recompute",
+        help="how a running request gives up its KV blocks when the pool runs out",
+    )
+    o.add_argument(
+        "--swap-space",
+        type=float,
+        default=4.0,
+        metavar="GIB",
+        help="host memory for swapped-out KV blocks (with --preemption-mode swap)",
+    )
+    o.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=None,
+        help="waiting requests beyond which new ones get 429 (default: unbounded)",
+    )
+    o.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=None,
+        help="waiting prompt tokens beyond which new requests get 429",
+    )
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -60,6 +103,13 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         max_num_batched_tokens=ns.max_num_batched_tokens,
         attention_backend=ns.attention_backend,
         seed=ns.seed,
+        context_overflow=ns.context_overflow,
+        context_n_keep=ns.context_n_keep,
+        context_n_discard=ns.context_n_discard,
+        preemption_mode=ns.preemption_mode,
+        swap_space_gib=ns.swap_space,
+        max_queue_len=ns.max_queue_len,
+        max_queued_tokens=ns.max_queued_tokens,
     )
 
 

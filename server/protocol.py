@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
 
+from engine.overflow import ContextOverflow
 from engine.sampling_params import SamplingParams
 
 # OpenAI fields we deliberately leave out. A request may still carry one when its value means
@@ -73,6 +74,31 @@ class StreamOptions(OpenAIBody):
     include_usage: bool = False
 
 
+class OverflowOptions(OpenAIBody):
+    """kvserve extension: what to do when prompt + generation reach the model's context."""
+
+    policy: Literal["error", "truncate", "stop", "shift", "sink"] = Field(
+        description="error: refuse prompt + max_tokens over the limit (400). truncate: drop the "
+        "oldest prompt tokens after the first n_keep. stop: generate until the context is full, "
+        "finish_reason 'length'. shift: when full, discard n_discard tokens after the first "
+        "n_keep, re-rotate the cache and go on until max_tokens. sink: StreamingLLM, n_keep "
+        "attention sinks plus the most recent window."
+    )
+    n_keep: Annotated[StrictInt, Field(ge=-1)] | None = Field(
+        None,
+        description="Tokens kept at the start (-1: the whole prompt); for sink, the attention "
+        "sinks. Default 4. shift and sink round it up to a KV block.",
+    )
+    n_discard: Annotated[StrictInt, Field(ge=1)] | None = Field(
+        None,
+        description="Tokens discarded at each overflow, rounded up to a KV block. Default: "
+        "half of what follows the kept tokens (shift), one block (sink).",
+    )
+
+    def to_engine(self) -> ContextOverflow:
+        return ContextOverflow(self.policy, self.n_keep, self.n_discard)
+
+
 class SamplingFields(OpenAIBody):
     """Fields both generation endpoints share, OpenAI's and vLLM's extensions."""
 
@@ -100,6 +126,13 @@ class SamplingFields(OpenAIBody):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    priority: StrictInt = Field(
+        0, description="Lower runs first and is preempted last (vLLM's convention)."
+    )
+    # kvserve extension
+    overflow: OverflowOptions | None = Field(
+        None, description="Context-overflow policy for this request; default: the server's."
+    )
 
     @model_validator(mode="after")
     def _check_shared(self) -> SamplingFields:
@@ -134,6 +167,7 @@ class SamplingFields(OpenAIBody):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             min_tokens=self.min_tokens,
+            overflow=self.overflow.to_engine() if self.overflow is not None else None,
         )
 
 

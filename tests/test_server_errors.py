@@ -89,7 +89,7 @@ class StubEngine:
     def validate(self, prompt_token_ids, params) -> None:
         pass
 
-    async def generate(self, prompt_token_ids, params, request_id):
+    async def generate(self, prompt_token_ids, params, request_id, priority=0):
         raise self.fail_with
         yield  # pragma: no cover
 
