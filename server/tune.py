@@ -528,7 +528,10 @@ def summary_lines(
     obj = OBJECTIVES[objective]
     lines = []
     if best is None:
-        lines.append(f"No point measured {obj.label}; nothing to choose.")
+        lines.append(
+            f"No best point for {objective}: no point completed requests "
+            f"with a measured {obj.label} {obj.unit}."
+        )
     else:
         settings = {n: best.settings[n] for n in names or best.settings}
         value = _fmt(best.value(obj.metric), ".3g")
@@ -547,6 +550,10 @@ def summary_lines(
     for p in points:
         if p.error:
             lines.append(f"#{p.index} did not run: {p.error}")
+        elif p.metrics and not p.metrics.completed and p.bench:
+            failed = next((r for r in p.bench.requests if r.error), None)
+            why = f": {failed.failure} {failed.error}" if failed else ""
+            lines.append(f"#{p.index} completed no request{why}")
     return lines
 
 

@@ -384,6 +384,21 @@ def test_markdown_names_the_best_point_and_points_that_did_not_run():
     assert f"Best for goodput: {best}; {tie}\n" in text
 
 
+def test_a_point_that_completed_nothing_shows_its_first_error():
+    records = [RequestRecord(0, 0.0, start_s=0.0, end_s=0.1), RequestRecord(1, 0.0)]
+    records[0].fail("400", "The KV cache cannot hold 40 tokens of one request", 400)
+    result = tune.BenchResult(
+        BenchConfig(), "m", "t", summarize(records, 1.0, SLO(), 2), records, MetricsSeries()
+    )
+    p = PointResult(1, {"num_kv_blocks": 1}, BASE, PointMetrics.from_result(result, {}))
+    p.bench = result
+    lines = tune.summary_lines([p], "throughput", None)
+    assert lines == [
+        "No best point for throughput: no point completed requests with a measured output tok/s.",
+        "#1 completed no request: 400 The KV cache cannot hold 40 tokens of one request",
+    ]
+
+
 def test_one_value_sweeps_are_named_once_above_the_table_not_as_columns():
     sweeps = [Sweep("max_num_seqs", (1, 4)), Sweep("swap_space_gib", (0.05,))]
     points = [
