@@ -17,6 +17,7 @@ from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.overflow import (
     Admission,
+    ContextDecision,
     ContextOverflow,
     ContextPolicy,
     ContextState,
@@ -133,26 +134,7 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise RequestError(f"Token ids must be in [0, {vocab}).", param="prompt")
         policy = self.context_policy(params)
-        limit, bs = self.max_model_len, self.args.block_size
-        if isinstance(policy, ShiftPolicy) and self.runner.key_rope is None:
-            self.metrics.rejected.labels("invalid_overflow").inc()
-            raise RequestError(
-                f"{self.model_config.architecture} cannot re-rotate its cached keys; "
-                f"overflow policy {policy.name!r} is not available.",
-                param="overflow",
-            )
-        full = [[0] * g.spec.num_blocks(limit - 1, bs) for g in self.kv.groups]
-        decision = policy.decide(
-            ContextState(
-                admission=True,
-                num_tokens=n,
-                prompt_len=n,
-                max_tokens=params.max_tokens,
-                limit=limit,
-                block_size=bs,
-                discardable=lambda keep: self.kv.max_discard(full, limit - 1, keep),
-            )
-        )
+        decision = self._context_decision(policy, n, params)
         if isinstance(decision, Reject):
             self.metrics.context_overflows.labels(policy.name).inc()
             self.metrics.rejected.labels(decision.code).inc()
@@ -160,6 +142,7 @@ class LLMEngine:
             raise RequestError(decision.message, param=param, code=decision.code)
         drop = decision if isinstance(decision, Drop) else None
         kept = n - (drop.count if drop else 0)
+        limit = self.max_model_len
         wanted = kept + (params.max_tokens or limit)
         if not self.kv.can_ever_fit(min(limit, wanted)):
             self.metrics.rejected.labels("kv_capacity").inc()
@@ -169,6 +152,29 @@ class LLMEngine:
                 param="max_tokens",
             )
         return policy, drop
+
+    def _context_decision(
+        self, policy: ContextPolicy, prompt_len: int, params: SamplingParams
+    ) -> ContextDecision:
+        if isinstance(policy, ShiftPolicy) and self.runner.key_rope is None:
+            return Reject(
+                f"{self.model_config.architecture} cannot re-rotate its cached keys; "
+                f"overflow policy {policy.name!r} is not available.",
+                code="invalid_overflow",
+            )
+        limit, bs = self.max_model_len, self.args.block_size
+        # The blocks a sequence holds when it first fills the context: where a shift starts.
+        full = [[0] * g.spec.num_blocks(limit - 1, bs) for g in self.kv.groups]
+        state = ContextState(
+            admission=True,
+            num_tokens=prompt_len,
+            prompt_len=prompt_len,
+            max_tokens=params.max_tokens,
+            limit=limit,
+            block_size=bs,
+            discardable=lambda keep: self.kv.max_discard(full, limit - 1, keep),
+        )
+        return policy.decide(state)
 
     def add_request(
         self,
