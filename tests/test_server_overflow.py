@@ -7,6 +7,7 @@ import asyncio
 
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 from test_server import serve_in_thread
 
@@ -19,8 +20,17 @@ MAX_TOKENS = 32
 QUEUE = 6
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Decode-sized matrices: a second thread only adds synchronisation on a shared CPU.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="module")
-def served(smollm2_dir):
+def served(smollm2_dir, one_thread):
     """A pool of 8 blocks of 16: three requests of ~45 tokens fill it."""
     from engine.async_engine import AsyncEngine
     from server.app import build_app
