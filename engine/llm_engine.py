@@ -106,6 +106,13 @@ class LLMEngine:
             self.max_model_len,
             format_capacity(self.capacity, self.max_model_len),
         )
+        log.info(
+            "context overflow %s; preemption by %s%s; queue %s",
+            args.context_overflow,
+            args.preemption_mode,
+            f" to {num_host_blocks} host blocks" if num_host_blocks else "",
+            f"up to {args.max_queue_len} requests" if args.max_queue_len else "unbounded",
+        )
 
     def _kv_memory_bytes(self) -> int:
         if self.args.kv_cache_memory_gib is not None:
