@@ -19,6 +19,15 @@ VOCAB = 256
 LIMIT = 64
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny matrices: a second thread only adds synchronisation, and on a shared CPU much more.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     config = transformers.LlamaConfig(
