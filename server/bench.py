@@ -866,7 +866,11 @@ def format_summary(result: BenchResult) -> str:
             row(f"Peak {name}:", max(vals) if vals else None, ".4g")
         for name, delta in sorted(m.counter_deltas.items()):
             if delta:
-                row(f"{name}:"[: w - 12], delta, ".6g")
+                label = f"{name}:"
+                if len(label) > w - 12:  # labelled series: name on its own line, never cut
+                    lines.append(label)
+                    label = ""
+                row(label, delta, ".6g")
     lines.append("=" * w)
     return "\n".join(lines)
 
