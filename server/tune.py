@@ -56,8 +56,8 @@ from server.bench import (
 from server.cli import add_engine_args, engine_args_from
 
 DEFAULT_MAX_POINTS = 16
-# Points within this fraction of the best value tie: a rerun of the same point moves its
-# throughput and p99 latencies by about that much, so a smaller lead is not a win.
+# Points within this fraction of the best value tie: a smaller lead is under the run-to-run
+# noise of even a quiet machine, no reason to prefer a point.
 TIE_TOLERANCE = 0.02
 MAX_PLOT_WIDTH = 16.0  # inches
 
