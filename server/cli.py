@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     if argv and argv[0] in PASS_THROUGH:
         return run_pass_through(argv[0], argv[1:]) or 0
     parser = build_parser()
