@@ -25,7 +25,7 @@ from engine.config import ModelConfig
 from engine.kv_spec import KVCacheGroup, MLASpec
 from kernels.paged import ForwardContext
 from kernels.rotary import RopeLayout
-from models.layers import RMSNorm
+from models.layers import GatedMLP, RMSNorm
 from models.loader import load_by_name
 
 # transformers builds q_a_layernorm / kv_a_layernorm with the default eps, not rms_norm_eps.
@@ -151,17 +151,6 @@ class MLAAttention(nn.Module):
         return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
 
 
-class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class TopkRouter(nn.Module):
     """Sigmoid scores; experts are chosen on score + bias within the best groups, but weighted
     by the score alone (auxiliary-loss-free balancing)."""
@@ -203,13 +192,12 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         hf = cfg.hf
-        inter = hf["moe_intermediate_size"]
+        h, inter = cfg.hidden_size, hf["moe_intermediate_size"]
+        act = cfg.get("hidden_act") or "silu"
         self.gate = TopkRouter(cfg)
-        self.experts = nn.ModuleList(
-            MLP(cfg.hidden_size, inter) for _ in range(hf["n_routed_experts"])
-        )
+        self.experts = nn.ModuleList(GatedMLP(h, inter, act) for _ in range(hf["n_routed_experts"]))
         shared = hf.get("n_shared_experts") or 0
-        self.shared_experts = MLP(cfg.hidden_size, inter * shared) if shared else None
+        self.shared_experts = GatedMLP(h, inter * shared, act) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
@@ -231,7 +219,8 @@ class DecoderLayer(nn.Module):
         if layer_id >= cfg.get("first_k_dense_replace", 0):
             self.mlp = MoE(cfg)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.hf["intermediate_size"])
+            act = cfg.get("hidden_act") or "silu"
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.hf["intermediate_size"], act)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
 

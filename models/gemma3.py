@@ -13,14 +13,14 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
 from engine.kv_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from kernels.paged import ForwardContext
 from kernels.rotary import RopeLayout
-from models.layers import RMSNorm, apply_rope, rope_cos_sin
+from models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin
+from models.llama import LlamaAttention
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -62,25 +62,15 @@ def gemma_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
     return inv_freq
 
 
-class Gemma3Attention(nn.Module):
+class Gemma3Attention(LlamaAttention):
+    """Llama's attention with RMSNorm on q and k per head, and its own score scale."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int):
-        super().__init__()
-        self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        )
-        bias = cfg.get("attention_bias", False)
+        super().__init__(cfg, layer_id)
         eps = cfg.get("rms_norm_eps", 1e-6)
-        h, d = cfg.hidden_size, self.head_dim
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
-        self.q_norm = RMSNorm(d, eps, offset=1.0)
-        self.k_norm = RMSNorm(d, eps, offset=1.0)
-        self.scale = cfg.get("query_pre_attn_scalar", d) ** -0.5
+        self.q_norm = RMSNorm(self.head_dim, eps, offset=1.0)
+        self.k_norm = RMSNorm(self.head_dim, eps, offset=1.0)
+        self.scale = cfg.get("query_pre_attn_scalar", self.head_dim) ** -0.5
 
     def forward(self, x, cos, sin, ctx: ForwardContext):
         t = x.shape[0]
@@ -92,17 +82,6 @@ class Gemma3Attention(nn.Module):
         return self.o_proj(out.reshape(t, -1))
 
 
-class Gemma3MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
-
-
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, kind: str):
         super().__init__()
@@ -110,7 +89,8 @@ class Gemma3DecoderLayer(nn.Module):
         h = cfg.hidden_size
         self.kind = kind
         self.self_attn = Gemma3Attention(cfg, layer_id)
-        self.mlp = Gemma3MLP(h, cfg.hf["intermediate_size"])
+        act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
+        self.mlp = GatedMLP(h, cfg.hf["intermediate_size"], act)
         self.input_layernorm = RMSNorm(h, eps, offset=1.0)
         self.post_attention_layernorm = RMSNorm(h, eps, offset=1.0)
         self.pre_feedforward_layernorm = RMSNorm(h, eps, offset=1.0)

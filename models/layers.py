@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+    "gelu_tanh": partial(F.gelu, approximate="tanh"),
+}
 
 
 class RMSNorm(nn.Module):
@@ -19,6 +28,23 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (self.weight.float() + self.offset)).to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """down_proj(act(gate_proj(x)) * up_proj(x)); ``activation`` is a transformers
+    ``hidden_act`` name."""
+
+    def __init__(self, hidden: int, inter: int, activation: str = "silu", bias: bool = False):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unsupported MLP activation {activation!r}")
+        self.act = ACTIVATIONS[activation]
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
 from engine.kv_spec import FullAttentionSpec, KVCacheGroup
 from kernels.paged import ForwardContext
 from kernels.rotary import RopeLayout
-from models.layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 
 class LlamaAttention(nn.Module):
@@ -40,24 +39,16 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(t, -1))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, bias: bool = False):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.self_attn = LlamaAttention(cfg, layer_id)
-        self.mlp = LlamaMLP(
-            cfg.hidden_size, cfg.hf["intermediate_size"], cfg.get("mlp_bias", False)
+        self.mlp = GatedMLP(
+            cfg.hidden_size,
+            cfg.hf["intermediate_size"],
+            cfg.get("hidden_act") or "silu",
+            cfg.get("mlp_bias", False),
         )
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)

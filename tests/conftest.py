@@ -31,3 +31,15 @@ def gemma3_dir():
     from models.fetch import fetch
 
     return fetch("gemma3-270m", progress=False)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a module of small matrices: a second thread only adds
+    synchronisation, and on a shared CPU much more."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -6,8 +6,6 @@ import asyncio
 import dataclasses
 import json
 import math
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,9 +14,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from helpers import serve_in_thread
 
 from server.bench import (
     SLO,
@@ -152,22 +150,8 @@ async def _stream(fake: Fake, chat: bool, n_out: int, usage: dict | None) -> Any
 @contextmanager
 def serve_app(app: FastAPI) -> Iterator[str]:
     """Run ``app`` on a free loopback port; yields its base URL (with /v1)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+    with serve_in_thread(app, lifespan="off") as url:
+        yield f"{url}/v1"
 
 
 def serve(fake: Fake):

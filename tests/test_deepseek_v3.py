@@ -3,53 +3,28 @@
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 
 import pytest
 import torch
+from helpers import TINY_DEEPSEEK_V3 as TINY
+from helpers import generate_with_logits, random_prompt, tiny_deepseek_v3
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.config import ModelConfig
 from engine.kv_spec import MLASpec
 from models.deepseek_v3 import rope_frequencies, softmax_scale
 
 transformers = pytest.importorskip("transformers")
 
-TINY = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    first_k_dense_replace=1,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    n_group=2,
-    topk_group=1,
-    n_shared_experts=1,
-    routed_scaling_factor=2.5,
-    q_lora_rank=32,
-    kv_lora_rank=32,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=16,
-    max_position_embeddings=256,
-    # Larger than the default 0.02 so attention and routing are far from uniform.
-    initializer_range=0.2,
-)
 MAX_TOKENS = 32
 TOL = 1e-4
 
 
 def make_checkpoint(path, **overrides):
     """A random fp32 DeepseekV3ForCausalLM saved to ``path``; returns the transformers model."""
-    torch.manual_seed(0)
-    config = transformers.DeepseekV3Config(**{**TINY, **overrides})
-    model = transformers.DeepseekV3ForCausalLM(config).to(torch.float32).eval()
+    model = tiny_deepseek_v3(**overrides)
     with torch.no_grad():
-        for layer in model.model.layers[config.first_k_dense_replace :]:
+        for layer in model.model.layers[model.config.first_k_dense_replace :]:
             # A non-zero bias changes which experts are chosen but not their weights.
             layer.mlp.gate.e_score_correction_bias.uniform_(-0.3, 0.3)
     model.save_pretrained(path)
@@ -59,22 +34,6 @@ def make_checkpoint(path, **overrides):
 def engine(path, **kw) -> LLM:
     args = dict(max_model_len=192, num_kv_blocks=48, block_size=16, device="cpu")
     return LLM(str(path), dtype="float32", **{**args, **kw})
-
-
-def generate_with_logits(llm: LLM, prompts: list[list[int]], monkeypatch):
-    """Greedy generation; returns per prompt (token ids, the logits each token was sampled from)."""
-    seen = defaultdict(list)
-    sample = llm.engine.runner.sampler.sample
-
-    def recording_sample(logits, request_ids, *args):
-        for rid, row in zip(request_ids, logits):
-            seen[rid].append(row.detach().float().clone())
-        return sample(logits, request_ids, *args)
-
-    monkeypatch.setattr(llm.engine.runner.sampler, "sample", recording_sample)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = llm.generate(prompts, params)
-    return [(o.outputs[0].token_ids, torch.stack(seen[o.request_id])) for o in outs]
 
 
 def reference_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
@@ -97,8 +56,7 @@ def assert_matches_reference(model, prompts, results) -> float:
 
 
 def prompt_of(length: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, TINY["vocab_size"], (length,), generator=g).tolist()
+    return random_prompt(length, TINY["vocab_size"], seed, low=0)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +69,7 @@ def test_logits_and_greedy_tokens_match_transformers(checkpoint, monkeypatch):
     path, model = checkpoint
     prompts = [prompt_of(20, 1)]
     assert_matches_reference(
-        model, prompts, generate_with_logits(engine(path), prompts, monkeypatch)
+        model, prompts, generate_with_logits(engine(path), prompts, monkeypatch, MAX_TOKENS)
     )
 
 
@@ -119,7 +77,9 @@ def test_chunked_prefill_matches_transformers(checkpoint, monkeypatch):
     path, model = checkpoint
     prompts = [prompt_of(45, 2)]
     llm = engine(path, max_num_batched_tokens=16)
-    assert_matches_reference(model, prompts, generate_with_logits(llm, prompts, monkeypatch))
+    assert_matches_reference(
+        model, prompts, generate_with_logits(llm, prompts, monkeypatch, MAX_TOKENS)
+    )
 
 
 def test_concurrent_prompts_of_different_lengths_match_transformers(checkpoint, monkeypatch):
@@ -127,7 +87,9 @@ def test_concurrent_prompts_of_different_lengths_match_transformers(checkpoint, 
     # Lengths around block boundaries; a small budget mixes decodes with prefill chunks.
     prompts = [prompt_of(n, 10 + n) for n in (1, 15, 17, 33, 50)]
     llm = engine(path, max_num_batched_tokens=24)
-    assert_matches_reference(model, prompts, generate_with_logits(llm, prompts, monkeypatch))
+    assert_matches_reference(
+        model, prompts, generate_with_logits(llm, prompts, monkeypatch, MAX_TOKENS)
+    )
 
 
 def test_yarn_rope_without_q_lora_or_interleave_matches_transformers(tmp_path, monkeypatch):
@@ -143,7 +105,7 @@ def test_yarn_rope_without_q_lora_or_interleave_matches_transformers(tmp_path, m
     }
     model = make_checkpoint(tmp_path, q_lora_rank=None, rope_interleave=False, rope_parameters=yarn)
     prompts = [prompt_of(40, 3), prompt_of(9, 4)]  # runs past original_max_position_embeddings
-    results = generate_with_logits(engine(tmp_path), prompts, monkeypatch)
+    results = generate_with_logits(engine(tmp_path), prompts, monkeypatch, MAX_TOKENS)
     assert_matches_reference(model, prompts, results)
 
 

@@ -11,6 +11,7 @@ from types import MappingProxyType
 
 import pytest
 import torch
+from helpers import random_prompt, tiny_gemma3
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
@@ -22,18 +23,12 @@ from models.layers import apply_rope, rope_cos_sin
 from models.loader import load_model
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
+TINY_VOCAB = 512
 TINY_WINDOW = 64
 BLOCK = 16
 TINY_LAYERS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
@@ -41,31 +36,14 @@ def tiny(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     """A random Gemma 3 with every feature the real one has plus GQA, a query scalar that is
     not head_dim, final softcapping and untied embeddings (tied ones make random models repeat
     one token)."""
-    config = transformers.Gemma3TextConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=len(TINY_LAYERS),
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
+    model = tiny_gemma3(
+        vocab_size=TINY_VOCAB,
         layer_types=TINY_LAYERS,
         sliding_window=TINY_WINDOW,
         query_pre_attn_scalar=24,
         final_logit_softcapping=30.0,
         max_position_embeddings=4096,
-        rope_parameters={
-            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-        },
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        bos_token_id=2,
-        eos_token_id=1,
     )
-    torch.manual_seed(0)
-    model = transformers.Gemma3ForCausalLM(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:  # transformers starts them at 0, which hides a missing (1 + w)
@@ -73,10 +51,6 @@ def tiny(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     path = tmp_path_factory.mktemp("tiny-gemma3")
     model.save_pretrained(path)
     return path, model
-
-
-def random_prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def hf_greedy(model, ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
@@ -166,7 +140,7 @@ def test_window_edges_and_self_wrapping_chunks_match_transformers(tiny):
     so a chunk overwrites ring slots it has itself just filled, decoding alongside each other."""
     path, hf = tiny
     lengths = [5, 63, 64, 65, 79, 80, 81, 177, 400]
-    prompts = [random_prompt(n, seed) for seed, n in enumerate(lengths)]
+    prompts = [random_prompt(n, TINY_VOCAB, seed) for seed, n in enumerate(lengths)]
     llm = LLM(
         str(path),
         max_model_len=1024,
@@ -202,7 +176,10 @@ def test_3000_token_sequence_holds_at_most_ring_len_local_blocks(tiny):
     ring_len = engine.runner.groups[ring_group].spec.ring_len(BLOCK)
     assert ring_len == ceil(TINY_WINDOW / BLOCK) + 1
     full_group = 1 - ring_group
-    prompts = {"long": random_prompt(2960, 100), "short": random_prompt(30, 101)}
+    prompts = {
+        "long": random_prompt(2960, TINY_VOCAB, 100),
+        "short": random_prompt(30, TINY_VOCAB, 101),
+    }
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=0)
     for rid, ids in prompts.items():
         engine.add_request(rid, ids, params)

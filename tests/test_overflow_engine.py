@@ -5,7 +5,7 @@ and the metrics that count all of it."""
 from __future__ import annotations
 
 import pytest
-import torch
+from helpers import random_prompt, save_tiny_llama
 from prometheus_client import generate_latest
 
 from engine import LLM, SamplingParams
@@ -13,31 +13,17 @@ from engine.errors import QueueFullError, RequestError
 from engine.llm_engine import LLMEngine
 from engine.overflow import ContextOverflow
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB = 256
 LIMIT = 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matrices: a second thread only adds synchronisation, and on a shared CPU much more.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        initializer_range=0.2, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny-llama")
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    save_tiny_llama(path, vocab_size=VOCAB, max_position_embeddings=512)
     return path
 
 
@@ -51,7 +37,7 @@ def greedy(n: int | None, **kw) -> SamplingParams:
 
 
 def prompt_of(n: int, seed: int = 0) -> list[int]:
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return random_prompt(n, VOCAB, seed)
 
 
 def metric(engine: LLMEngine, name: str, **labels) -> float:

@@ -14,22 +14,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import random_prompt, save_tiny_deepseek_v3, save_tiny_gemma3
 
 from engine import LLM, SamplingParams
 from kernels import reference
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 BLOCK = 16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Small matrices: a second thread only adds synchronisation, and on a shared CPU much more.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def greedy(n: int) -> SamplingParams:
@@ -87,47 +80,23 @@ def run_to_end(llm: LLM) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_deepseek(tmp_path_factory):
-    config = transformers.DeepseekV3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-        first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
-        topk_group=1, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=256, initializer_range=0.2,
-    )  # fmt: skip
-    torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny-deepseek")
-    transformers.DeepseekV3ForCausalLM(config).save_pretrained(path)
+    save_tiny_deepseek_v3(path)
     return path
 
 
 @pytest.fixture(scope="module")
 def tiny_gemma3(tmp_path_factory):
-    config = transformers.Gemma3TextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        layer_types=["sliding_attention", "full_attention"], sliding_window=32,
-        max_position_embeddings=1024, initializer_range=0.2, tie_word_embeddings=False,
-        rope_parameters={
-            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-        },
-        pad_token_id=0, bos_token_id=2, eos_token_id=1,
-    )  # fmt: skip
-    torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny-gemma3")
-    transformers.Gemma3ForCausalLM(config).save_pretrained(path)
+    save_tiny_gemma3(path)
     return path
-
-
-def prompt_of(n: int, vocab: int, seed: int = 0) -> list[int]:
-    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def test_shift_of_an_mla_cache_rotates_only_the_rope_tail(tiny_deepseek):
     kw = dict(max_model_len=64, num_kv_blocks=8)
     llm = LLM(str(tiny_deepseek), device="cpu", dtype="float32", block_size=BLOCK,
               context_overflow="shift", **kw)  # fmt: skip
-    cached = shift_once(llm, prompt_of(40, 128), max_tokens=120)
+    cached = shift_once(llm, random_prompt(40, 128), max_tokens=120)
     assert len(cached) == 63 - 32 + 1  # keep 16, drop 32 of 63 cached, then one more
     assert_layer0_rows_equal_a_fresh_prefill(tiny_deepseek, llm, cached, **kw)
     run_to_end(llm)
@@ -139,7 +108,7 @@ def test_shift_of_a_wrapped_ring_keeps_its_window_in_place(tiny_gemma3):
     llm = LLM(str(tiny_gemma3), device="cpu", dtype="float32", block_size=BLOCK,
               context_overflow="shift", **kw)  # fmt: skip
     assert llm.engine.runner.groups[0].spec.window == 32
-    cached = shift_once(llm, prompt_of(50, 256), max_tokens=200)
+    cached = shift_once(llm, random_prompt(50, 256), max_tokens=200)
     # keep 16; half the rest is 40 -> 48, which the next window, [n - 31, n], allows: it must
     # clear the kept tokens, 95 - 16 - 31 = 48. Three blocks turn a ring of three in place.
     assert len(cached) == 95 - 48 + 1
@@ -152,7 +121,7 @@ def test_shift_by_part_of_a_ring_turns_its_table(tiny_gemma3):
     kw = dict(max_model_len=96, num_kv_blocks=12)
     llm = LLM(str(tiny_gemma3), device="cpu", dtype="float32", block_size=BLOCK,
               context_overflow="shift", context_n_discard=32, **kw)  # fmt: skip
-    cached = shift_once(llm, prompt_of(50, 256, seed=1), max_tokens=200)
+    cached = shift_once(llm, random_prompt(50, 256, seed=1), max_tokens=200)
     assert len(cached) == 95 - 32 + 1
     assert_layer0_rows_equal_a_fresh_prefill(tiny_gemma3, llm, cached, **kw)
     run_to_end(llm)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import tiny_deepseek_v3_config
 
 from engine.capacity import GIB
 from engine.kv_spec import FullAttentionSpec, KVCacheGroup, MLASpec, SlidingWindowSpec
@@ -36,22 +37,8 @@ def llama_dir(tmp_path):
 
 @pytest.fixture
 def deepseek_dir(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.DeepseekV3Config(
-        architectures=["DeepseekV3ForCausalLM"],
-        vocab_size=128,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        first_k_dense_replace=1,
-        n_routed_experts=8,
-        q_lora_rank=32,
-        kv_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        max_position_embeddings=256,
-    )
+    pytest.importorskip("transformers")
+    config = tiny_deepseek_v3_config(architectures=["DeepseekV3ForCausalLM"])
     config.save_pretrained(tmp_path / "deepseek")
     return tmp_path / "deepseek"
 

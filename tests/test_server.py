@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import socket
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
 import httpx
 import pytest
+from helpers import serve_in_thread
 
 from engine.config import EngineArgs
 
@@ -20,29 +18,6 @@ SERVED_NAME = "smollm2"
 MAX_MODEL_LEN = 512
 NUM_KV_BLOCKS = 128
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@contextlib.contextmanager
-def serve_in_thread(app) -> Iterator[str]:
-    """Runs ``app`` on uvicorn in a background thread; yields its base URL."""
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
 
 
 @contextlib.contextmanager

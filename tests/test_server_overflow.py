@@ -7,26 +7,16 @@ import asyncio
 
 import httpx
 import pytest
-import torch
+from helpers import serve_in_thread
 from prometheus_client.parser import text_string_to_metric_families
-from test_server import serve_in_thread
 
 from engine.config import EngineArgs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 MAX_MODEL_LEN = 128
 MAX_TOKENS = 32
 QUEUE = 6
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Decode-sized matrices: a second thread only adds synchronisation on a shared CPU.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
