@@ -10,17 +10,26 @@ from kernels import reference
 
 @dataclass(frozen=True)
 class AttentionBackend:
-    """Three operations over the paged cache; signatures as in ``kernels.reference``."""
+    """Three operations over the paged cache; signatures as in ``kernels.reference``.
+
+    ``plan_decode``, when a backend has one, computes once per step what ``decode`` would
+    otherwise recompute in every layer; its result is passed to ``decode`` as ``plan``.
+    """
 
     name: str
     write_cache: Callable
     decode: Callable
     prefill: Callable
+    plan_decode: Callable | None = None
 
 
 def _torch_backend() -> AttentionBackend:
     return AttentionBackend(
-        "torch", reference.write_cache, reference.decode_attention, reference.prefill_attention
+        "torch",
+        reference.write_cache,
+        reference.decode_attention,
+        reference.prefill_attention,
+        reference.plan_decode,
     )
 
 

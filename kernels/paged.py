@@ -8,6 +8,7 @@ chunk may overwrite ring slots that its own first tokens still read; decode runs
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -25,6 +26,7 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # int32 [B + 1], rows of new tokens per sequence
     num_decodes: int  # the first num_decodes sequences have exactly one new token
     window: int = 0
+    decode_plan: Any = None  # the backend's per-step decode plan, made by the first layer
 
 
 @dataclass
@@ -52,8 +54,16 @@ class ForwardContext:
         if v_cache.data_ptr() != k_cache.data_ptr():
             self.backend.write_cache(v_cache, v, meta.slot_mapping)
         if nd:
+            tables, lens = meta.block_tables[:nd], meta.seq_lens[:nd]
+            extra = {}
+            if self.backend.plan_decode is not None:
+                if meta.decode_plan is None:
+                    block_size = k_cache.shape[1]
+                    meta.decode_plan = self.backend.plan_decode(
+                        tables, lens, block_size, meta.window
+                    )
+                extra["plan"] = meta.decode_plan
             out[:nd] = self.backend.decode(
-                q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                meta.window,
-            )  # fmt: skip
+                q[:nd], k_cache, v_cache, tables, lens, scale, meta.window, **extra
+            )
         return out

@@ -9,7 +9,10 @@ Shapes (T new tokens, B sequences, N blocks, bs block size):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 
 def _positions_to_slots(
@@ -33,8 +36,10 @@ def gather_cache(
 def write_cache(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter ``rows`` ([T, H, D]) into ``cache`` ([N, bs, H, D]); slot -1 is skipped."""
     keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        rows, slot_mapping = rows[keep], slot_mapping[keep]
     flat = cache.view(cache.shape[0] * cache.shape[1], *cache.shape[2:])
-    flat[slot_mapping[keep]] = rows[keep].to(cache.dtype)
+    flat[slot_mapping] = rows.to(cache.dtype)
 
 
 def _attend(q, k, v, scale, mask=None):
@@ -50,6 +55,32 @@ def _attend(q, k, v, scale, mask=None):
     return out.reshape(q.shape[0], hq, v.shape[2]).to(q.dtype)
 
 
+@dataclass(frozen=True)
+class DecodePlan:
+    """Where each sequence's attended positions live; the same for every layer of a step."""
+
+    blocks: torch.Tensor  # int64 [B, S], physical block of each attended position
+    offsets: torch.Tensor  # int64 [B, S], slot within the block
+    valid: torch.Tensor  # bool [B, S], False for the padding up to the longest sequence
+
+
+def plan_decode(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, window: int = 0
+) -> DecodePlan:
+    """Positions max(0, L - window) .. L - 1 of each sequence, padded to the longest span."""
+    lens = seq_lens.long()
+    starts = (lens - window).clamp(min=0) if window > 0 else torch.zeros_like(lens)
+    span = int((lens - starts).max())
+    pos = starts[:, None] + torch.arange(span, device=lens.device)[None, :]  # [B, S]
+    valid = pos < lens[:, None]
+    pos = torch.where(valid, pos, starts[:, None])  # padding reads a real row, then is masked
+    logical = pos // block_size
+    if window > 0:
+        logical = logical % block_tables.shape[1]
+    blocks = torch.gather(block_tables.long(), 1, logical)
+    return DecodePlan(blocks, pos % block_size, valid)
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -58,32 +89,27 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     window: int = 0,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (already written to the cache) -> [B, Hq, Dv].
 
     Each sequence's context is gathered through its block table, padded to the longest one,
-    and the padding masked out of the softmax.
+    and the padding masked out of the softmax. ``plan`` (from ``plan_decode``) may be shared
+    by all layers of a step.
     """
-    batch, hq, dk = q.shape
-    block_size = k_cache.shape[1]
-    lens = seq_lens.long()
-    starts = (lens - window).clamp(min=0) if window > 0 else torch.zeros_like(lens)
-    span = int((lens - starts).max())
-    pos = starts[:, None] + torch.arange(span, device=q.device)[None, :]  # [B, S]
-    valid = pos < lens[:, None]
-    pos = torch.where(valid, pos, starts[:, None])  # padding reads a real row, then is masked
-    logical = pos // block_size
-    if window > 0:
-        logical = logical % block_tables.shape[1]
-    blocks = torch.gather(block_tables.long(), 1, logical)
-    k = k_cache[blocks, pos % block_size].float()  # [B, S, Hkv, Dk]
-    v = v_cache[blocks, pos % block_size].float()
-    hkv = k.shape[2]
-    qf = q.float().view(batch, hkv, hq // hkv, dk)
-    scores = torch.einsum("bhgd,bshd->bhgs", qf, k) * scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    out = torch.einsum("bhgs,bshd->bhgd", torch.softmax(scores, dim=-1), v)
-    return out.reshape(batch, hq, v.shape[-1]).to(q.dtype)
+    if plan is None:
+        plan = plan_decode(block_tables, seq_lens, k_cache.shape[1], window)
+    k = k_cache[plan.blocks, plan.offsets].float().transpose(1, 2)  # [B, Hkv, S, Dk]
+    v = v_cache[plan.blocks, plan.offsets].float().transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q.float()[:, :, None, :],
+        k,
+        v,
+        attn_mask=plan.valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[:, :, 0, :].to(q.dtype)
 
 
 def prefill_attention(
