@@ -87,14 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'concurrent':>10} {'kvserve tok/s':>14} {'transformers tok/s':>19} {'ratio':>6}")
     for c in args.concurrency:
         batch = [prompts[i % len(prompts)] for i in range(c)]
-        ours = statistics.median(bench_engine(llm, batch, args.tokens) for _ in range(args.repeats))
-        theirs = float("nan")
-        if hf is not None:
-            pad = tok.eos_token_ids[0]
-            theirs = statistics.median(
-                bench_transformers(hf, batch, args.tokens, pad) for _ in range(args.repeats)
-            )
-        print(f"{c:>10} {ours:>14.1f} {theirs:>19.1f} {ours / theirs:>6.2f}")
+        ours, theirs = [], []
+        for _ in range(args.repeats):  # interleaved, so drifts in machine load hit both alike
+            ours.append(bench_engine(llm, batch, args.tokens))
+            if hf is not None:
+                theirs.append(bench_transformers(hf, batch, args.tokens, tok.eos_token_ids[0]))
+        a = statistics.median(ours)
+        b = statistics.median(theirs) if theirs else float("nan")
+        print(f"{c:>10} {a:>14.1f} {b:>19.1f} {a / b:>6.2f}")
     return 0
 
 
