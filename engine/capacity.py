@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import ceil
 
 from engine.kv_spec import KVCacheGroup
 
@@ -71,7 +70,3 @@ def format_capacity(rows: list[GroupCapacity], max_model_len: int) -> str:
             f"{r.tokens:>10,} {r.max_seqs_at_full_len:>10}"
         )
     return "\n".join(lines)
-
-
-def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
-    return ceil(num_tokens / block_size)

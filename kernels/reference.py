@@ -15,22 +15,30 @@ import torch
 import torch.nn.functional as F
 
 
-def _positions_to_slots(
+def _blocks_and_offsets(
     table: torch.Tensor, positions: torch.Tensor, block_size: int, window: int
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     logical = positions // block_size
     if window > 0:
         logical = logical % table.shape[0]
-    return table[logical].long() * block_size + positions % block_size
+    return table[logical].long(), positions % block_size
+
+
+def _positions_to_slots(
+    table: torch.Tensor, positions: torch.Tensor, block_size: int, window: int
+) -> torch.Tensor:
+    blocks, offsets = _blocks_and_offsets(table, positions, block_size, window)
+    return blocks * block_size + offsets
 
 
 def gather_cache(
     cache: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, window: int = 0
 ) -> torch.Tensor:
     """Rows of ``cache`` ([N, bs, H, D]) at the given positions of one sequence -> [P, H, D]."""
-    num_blocks, block_size = cache.shape[:2]
-    slots = _positions_to_slots(table, positions.to(table.device), block_size, window)
-    return cache.reshape(num_blocks * block_size, *cache.shape[2:])[slots]
+    # Index blocks and offsets directly: flattening a strided view (MLA's value) would copy
+    # the whole cache.
+    blocks, offsets = _blocks_and_offsets(table, positions.to(table.device), cache.shape[1], window)
+    return cache[blocks, offsets]
 
 
 def write_cache(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
