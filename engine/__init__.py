@@ -1,6 +1,11 @@
-"""kvserve engine: paged KV cache, continuous batching, offline and async APIs."""
+"""The engine: settings (``args``), scheduler, KV-cache manager and block pools, overflow
+policies (``context_overflow``, ``preemption``), model runner, sampler, metrics, and the offline
+(``LLM``) and async (``AsyncEngine``) APIs.
 
-from engine.config import EngineArgs
+It may import models and kernels; never server or bench.
+"""
+
+from engine.args import EngineArgs
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 

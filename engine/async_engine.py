@@ -13,7 +13,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 
-from engine.config import EngineArgs
+from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams

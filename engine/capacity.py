@@ -1,27 +1,15 @@
-"""How many KV blocks each cache group gets, and what that holds."""
+"""What a KV cache holds: per group, bytes per token, blocks, token slots and full-length
+sequences. The engine logs this table at start-up and ``kvserve plan`` prints it from a
+config.json alone (no weights), both from the same ``CacheConfig``, so the numbers agree."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.kv_spec import KVCacheGroup
-
-GIB = 1 << 30
-
-
-def split_memory(
-    groups: list[KVCacheGroup], memory_bytes: int, block_size: int, max_model_len: int
-) -> tuple[int, ...]:
-    """Blocks per group, sharing memory in proportion to what a full-length sequence needs."""
-    demand = [
-        g.spec.table_width(max_model_len, block_size) * g.bytes_per_block(block_size)
-        for g in groups
-    ]
-    total = sum(demand)
-    return tuple(
-        max(1, int(memory_bytes * d / total) // g.bytes_per_block(block_size))
-        for g, d in zip(groups, demand)
-    )
+from engine.config import GIB, CacheConfig, split_memory
+from models.config import ModelConfig
+from models.fetch import resolve_model
+from models.loader import model_class
 
 
 @dataclass(frozen=True)
@@ -30,43 +18,93 @@ class GroupCapacity:
     num_layers: int
     bytes_per_token: int
     num_blocks: int
-    block_size: int
     tokens: int  # token slots in the pool
     max_seqs_at_full_len: int  # sequences of max_model_len that fit at once
 
 
-def capacity(
-    groups: list[KVCacheGroup], num_blocks: tuple[int, ...], block_size: int, max_model_len: int
-) -> list[GroupCapacity]:
+def capacity(cache: CacheConfig, max_model_len: int) -> list[GroupCapacity]:
     rows = []
-    for g, n in zip(groups, num_blocks):
-        per_seq = g.spec.num_blocks(max_model_len, block_size)
-        spec = g.spec
-        kind = type(spec).__name__
-        if spec.window:
-            kind += f"(window={spec.window})"
+    for g, n in zip(cache.groups, cache.num_blocks):
+        kind = type(g.spec).__name__
+        if g.spec.window:
+            kind += f"(window={g.spec.window})"
         rows.append(
             GroupCapacity(
                 kind=kind,
                 num_layers=len(g.layer_ids),
                 bytes_per_token=g.bytes_per_token,
                 num_blocks=n,
-                block_size=block_size,
-                tokens=n * block_size,
-                max_seqs_at_full_len=n // max(1, per_seq),
+                tokens=n * cache.block_size,
+                max_seqs_at_full_len=n // max(1, cache.blocks_per_seq(g, max_model_len)),
             )
         )
     return rows
 
 
-def format_capacity(rows: list[GroupCapacity], max_model_len: int) -> str:
+def format_capacity(cache: CacheConfig, max_model_len: int) -> str:
     lines = [
         f"{'group':<32} {'layers':>6} {'bytes/token':>12} {'blocks':>8} {'tokens':>10} "
         f"{'seqs@' + str(max_model_len):>10}"
     ]
-    for r in rows:
+    for r in capacity(cache, max_model_len):
         lines.append(
             f"{r.kind:<32} {r.num_layers:>6} {r.bytes_per_token:>12,} {r.num_blocks:>8} "
             f"{r.tokens:>10,} {r.max_seqs_at_full_len:>10}"
         )
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelConfig
+    dtype: str
+    memory_bytes: int
+    max_model_len: int
+    cache: CacheConfig
+
+    @property
+    def rows(self) -> list[GroupCapacity]:
+        return capacity(self.cache, self.max_model_len)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """All layers together, for a token inside every window."""
+        return sum(g.bytes_per_token for g in self.cache.groups)
+
+    @property
+    def bytes_per_full_sequence(self) -> int:
+        """What one max_model_len sequence holds; window groups stop growing at their ring."""
+        c = self.cache
+        return sum(c.blocks_per_seq(g, self.max_model_len) * c.bytes_per_block(g) for g in c.groups)
+
+
+def make_plan(
+    model: str,
+    kv_cache_memory_gib: float,
+    max_model_len: int | None = None,
+    block_size: int = 16,
+    dtype: str = "bfloat16",
+) -> Plan:
+    cfg = ModelConfig.from_dir(resolve_model(model))
+    groups = model_class(cfg).kv_cache_groups(cfg, dtype)
+    max_len = max_model_len or cfg.max_position_embeddings
+    memory = int(kv_cache_memory_gib * GIB)
+    cache = CacheConfig(groups, block_size, split_memory(groups, memory, block_size, max_len))
+    return Plan(cfg, dtype, memory, max_len, cache)
+
+
+def format_plan(plan: Plan) -> str:
+    header = (
+        f"model {plan.model.name} ({plan.model.architecture}), {plan.dtype} KV cache of "
+        f"{plan.memory_bytes / GIB:g} GiB, block size {plan.cache.block_size}, "
+        f"max_model_len {plan.max_model_len}"
+    )
+    layout = " + ".join(
+        f"{len(g.layer_ids)} x {g.spec.bytes_per_token:,} {type(g.spec).__name__}"
+        for g in plan.cache.groups
+    )
+    summary = (
+        f"bytes/token: {plan.bytes_per_token:,} ({layout}); one {plan.max_model_len}-token "
+        f"sequence holds {plan.bytes_per_full_sequence / (1 << 20):,.1f} MiB"
+    )
+    return "\n".join([header, format_capacity(plan.cache, plan.max_model_len), summary])

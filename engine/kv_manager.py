@@ -27,28 +27,23 @@ from __future__ import annotations
 from collections import Counter
 
 from engine.block_pool import BlockPool
-from engine.kv_spec import KVCacheGroup
+from engine.config import CacheConfig
+from models.kv_spec import KVCacheGroup
 
 BlockTables = list[list[int]]  # one table per group
 BlockPairs = list[list[tuple[int, int]]]  # per group: (from block, to block)
 
 
 class KVCacheManager:
-    def __init__(
-        self,
-        groups: list[KVCacheGroup],
-        num_blocks: tuple[int, ...],
-        block_size: int,
-        num_host_blocks: tuple[int, ...] = (),
-    ):
-        if len(groups) != len(num_blocks):
-            raise ValueError("one pool size per KV-cache group")
-        if num_host_blocks and len(num_host_blocks) != len(groups):
-            raise ValueError("one swap pool size per KV-cache group")
-        self.groups = groups
-        self.block_size = block_size
-        self.pools = [BlockPool(n) for n in num_blocks]
-        self.host_pools = [BlockPool(n) for n in num_host_blocks]
+    def __init__(self, config: CacheConfig):
+        self.config = config
+        self.groups = config.groups
+        self.pools = [BlockPool(n) for n in config.num_blocks]
+        self.host_pools = [BlockPool(n) for n in config.num_host_blocks]
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
 
     def new_tables(self) -> BlockTables:
         return [[] for _ in self.groups]

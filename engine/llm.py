@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.config import EngineArgs
+from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams

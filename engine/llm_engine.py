@@ -7,30 +7,31 @@ import time
 
 import torch
 
-from engine.capacity import GIB, capacity, format_capacity, split_memory
-from engine.config import EngineArgs, ModelConfig, SchedulerConfig
+from engine.args import EngineArgs
+from engine.capacity import format_capacity
+from engine.config import GIB, CacheConfig, SchedulerConfig, split_memory
+from engine.context_overflow import (
+    ContextDecision,
+    ContextPolicy,
+    ContextState,
+    Drop,
+    Reject,
+    context_policy,
+)
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import QueueFullError, RequestError
 from engine.kv_manager import KVCacheManager
 from engine.metrics import EngineMetrics
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.overflow import (
-    Admission,
-    ContextDecision,
-    ContextOverflow,
-    ContextPolicy,
-    ContextState,
-    Drop,
-    Reject,
-    ShiftPolicy,
-    context_policy,
-)
+from engine.preemption import Admission
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from kernels.backend import default_backend_name, get_backend
+from kernels.backend import get_backend
+from models.config import ModelConfig
 from models.fetch import resolve_model
+from models.kv_spec import KVCacheGroup
 from models.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.engine")
@@ -55,42 +56,23 @@ class LLMEngine:
         self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
         eos = tuple(dict.fromkeys(tokenizer_eos + self.model_config.eos_token_ids))
-        backend = get_backend(args.attention_backend or default_backend_name(self.device.type))
+        backend = get_backend(args.attention_backend, self.device)
         self.runner = ModelRunner(self.model_config, dtype, self.device, backend, args.seed, eos)
-        groups = self.runner.groups
-        if args.num_kv_blocks is not None:
-            num_blocks = (args.num_kv_blocks,) * len(groups)
-        else:
-            num_blocks = split_memory(
-                groups, self._kv_memory_bytes(), args.block_size, self.max_model_len
-            )
-        self.runner.allocate_kv_cache(num_blocks, args.block_size)
-        num_host_blocks = ()
-        if args.preemption_mode == "swap":
-            num_host_blocks = split_memory(
-                groups, int(args.swap_space_gib * GIB), args.block_size, self.max_model_len
-            )
-            self.runner.allocate_host_cache(num_host_blocks)
-        self.kv = KVCacheManager(groups, num_blocks, args.block_size, num_host_blocks)
+        self.cache_config = self._cache_config(self.runner.groups)
+        self.runner.allocate_kv_cache(self.cache_config)
+        self.kv = KVCacheManager(self.cache_config)
         sched_config = SchedulerConfig(
-            args.max_num_seqs,
-            args.max_num_batched_tokens,
-            self.max_model_len,
-            args.preemption_mode,
+            args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len, args.preemption_mode
         )
-        self.default_overflow = ContextOverflow(
-            args.context_overflow, args.context_n_keep, args.context_n_discard
-        )
+        self.default_overflow = args.default_overflow()
         self.scheduler = Scheduler(
-            sched_config, self.kv, eos, context_policy(self.default_overflow)
+            sched_config, self.kv, context_policy(self.default_overflow), eos
         )
         self.admission = Admission(args.max_queue_len, args.max_queued_tokens)
-        self.capacity = capacity(groups, num_blocks, args.block_size, self.max_model_len)
         self.metrics = EngineMetrics()
         self.metrics.describe_cache(
-            self.capacity,
-            num_host_blocks,
-            max_model_len=self.max_model_len,
+            self.cache_config,
+            self.max_model_len,
             context_overflow=args.context_overflow,
             preemption_mode=args.preemption_mode,
         )
@@ -104,15 +86,28 @@ class LLMEngine:
             self.device,
             backend.name,
             self.max_model_len,
-            format_capacity(self.capacity, self.max_model_len),
+            format_capacity(self.cache_config, self.max_model_len),
         )
+        swap = self.cache_config.num_host_blocks
         log.info(
             "context overflow %s; preemption by %s%s; queue %s",
             args.context_overflow,
             args.preemption_mode,
-            f" to {num_host_blocks} host blocks" if num_host_blocks else "",
+            f" to {swap} host blocks" if swap else "",
             f"up to {args.max_queue_len} requests" if args.max_queue_len else "unbounded",
         )
+
+    def _cache_config(self, groups: list[KVCacheGroup]) -> CacheConfig:
+        """Pools from --num-kv-blocks, or sized to the KV memory; a swap pool with swap."""
+        args, max_len = self.args, self.max_model_len
+        if args.num_kv_blocks is None:
+            blocks = split_memory(groups, self._kv_memory_bytes(), args.block_size, max_len)
+        else:
+            blocks = (args.num_kv_blocks,) * len(groups)
+        host = ()
+        if args.preemption_mode == "swap":
+            host = split_memory(groups, int(args.swap_space_gib * GIB), args.block_size, max_len)
+        return CacheConfig(groups, args.block_size, blocks, host)
 
     def _kv_memory_bytes(self) -> int:
         if self.args.kv_cache_memory_gib is not None:
@@ -163,13 +158,7 @@ class LLMEngine:
     def _context_decision(
         self, policy: ContextPolicy, prompt_len: int, params: SamplingParams
     ) -> ContextDecision:
-        if isinstance(policy, ShiftPolicy) and self.runner.key_rope is None:
-            return Reject(
-                f"{self.model_config.architecture} cannot re-rotate its cached keys; "
-                f"overflow policy {policy.name!r} is not available.",
-                code="invalid_overflow",
-            )
-        limit, bs = self.max_model_len, self.args.block_size
+        limit, bs = self.max_model_len, self.cache_config.block_size
         # The blocks a sequence holds when it first fills the context: where a shift starts.
         full = [[0] * g.spec.num_blocks(limit - 1, bs) for g in self.kv.groups]
         state = ContextState(
@@ -180,6 +169,7 @@ class LLMEngine:
             limit=limit,
             block_size=bs,
             discardable=lambda keep: self.kv.max_discard(full, limit - 1, keep),
+            can_rotate=self.runner.key_rope is not None,
         )
         return policy.decide(state)
 

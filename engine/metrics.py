@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
-from engine.capacity import GroupCapacity
+from engine.capacity import capacity
+from engine.config import CacheConfig
 from engine.request import Request
 from engine.scheduler import SchedulerEvents
 
@@ -23,106 +24,87 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 
 class EngineMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
-        self.registry = registry or CollectorRegistry()
-        r = self.registry
-        self.running = Gauge(
-            "kvserve:num_requests_running", "Requests in the running batch.", registry=r
+        self.registry = r = registry or CollectorRegistry()
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(f"kvserve:{name}", doc, labels, registry=r)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"kvserve:{name}", doc, labels, registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"kvserve:{name}", doc, buckets=buckets, registry=r)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge(
+            "num_requests_waiting", "Requests queued: new, or preempted for recomputation."
         )
-        self.waiting = Gauge(
-            "kvserve:num_requests_waiting",
-            "Requests queued: new, or preempted for recomputation.",
-            registry=r,
+        self.swapped = gauge(
+            "num_requests_swapped", "Preempted requests whose KV cache waits in the host swap pool."
         )
-        self.swapped = Gauge(
-            "kvserve:num_requests_swapped",
-            "Preempted requests whose KV cache waits in the host swap pool.",
-            registry=r,
-        )
-        self.kv_usage = Gauge(
-            "kvserve:kv_cache_usage_perc",
+        self.kv_usage = gauge(
+            "kv_cache_usage_perc",
             "Fraction of the KV blocks in use (0 to 1), per KV-cache group.",
-            ["group"],
-            registry=r,
+            ("group",),
         )
-        self.prompt_tokens = Counter(
-            "kvserve:prompt_tokens", "Prompt tokens prefilled (after truncation).", registry=r
-        )
-        self.generation_tokens = Counter(
-            "kvserve:generation_tokens", "Tokens generated.", registry=r
-        )
-        self.request_success = Counter(
-            "kvserve:request_success",
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (after truncation).")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.request_success = counter(
+            "request_success",
             "Finished requests, by finish reason (stop, length, abort, error).",
-            ["finished_reason"],
-            registry=r,
+            ("finished_reason",),
         )
-        self.ttft = Histogram(
-            "kvserve:time_to_first_token_seconds",
+        self.ttft = histogram(
+            "time_to_first_token_seconds",
             "From arrival to the first generated token.",
-            buckets=TTFT_BUCKETS,
-            registry=r,
+            TTFT_BUCKETS,
         )
-        self.itl = Histogram(
-            "kvserve:inter_token_latency_seconds",
-            "Between consecutive tokens of a request.",
-            buckets=ITL_BUCKETS,
-            registry=r,
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Between consecutive tokens of a request.", ITL_BUCKETS
         )
-        self.e2e = Histogram(
-            "kvserve:e2e_request_latency_seconds",
-            "From arrival to the last token.",
-            buckets=REQUEST_BUCKETS,
-            registry=r,
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "From arrival to the last token.", REQUEST_BUCKETS
         )
-        self.queue_time = Histogram(
-            "kvserve:request_queue_time_seconds",
-            "From arrival to the first scheduling.",
-            buckets=REQUEST_BUCKETS,
-            registry=r,
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "From arrival to the first scheduling.", REQUEST_BUCKETS
         )
-        self.preemptions = Counter(
-            "kvserve:num_preemptions",
+        self.preemptions = counter(
+            "num_preemptions",
             "Running requests preempted for lack of KV blocks, by mode (recompute, swap).",
-            ["mode"],
-            registry=r,
+            ("mode",),
         )
-        self.context_overflows = Counter(
-            "kvserve:context_overflows",
+        self.context_overflows = counter(
+            "context_overflows",
             "Requests at max_model_len (or over it at admission), by the policy that acted.",
-            ["policy"],
-            registry=r,
+            ("policy",),
         )
-        self.swapped_blocks = Counter(
-            "kvserve:swapped_blocks",
+        self.swapped_blocks = counter(
+            "swapped_blocks",
             "KV blocks copied to (out) or back from (in) the host swap pool.",
-            ["direction"],
-            registry=r,
+            ("direction",),
         )
-        self.rejected = Counter(
-            "kvserve:requests_rejected",
-            "Requests refused before any work, by reason.",
-            ["reason"],
-            registry=r,
+        self.rejected = counter(
+            "requests_rejected", "Requests refused before any work, by reason.", ("reason",)
         )
         self.cache_config = Info(
             "kvserve:cache_config", "KV-cache layout and capacity.", registry=r
         )
 
-    def describe_cache(
-        self, groups: list[GroupCapacity], num_host_blocks: tuple[int, ...], **settings
-    ) -> None:
+    def describe_cache(self, cache: CacheConfig, max_model_len: int, **settings) -> None:
         def each(values) -> str:
             return ",".join(str(v) for v in values)
 
+        groups = capacity(cache, max_model_len)
         self.cache_config.info(
             {
-                "block_size": str(groups[0].block_size),
+                "block_size": str(cache.block_size),
                 "num_gpu_blocks": each(g.num_blocks for g in groups),
-                "num_cpu_blocks": each(num_host_blocks) or "0",
+                "num_cpu_blocks": each(cache.num_host_blocks) or "0",
                 "group_kinds": each(g.kind for g in groups),
                 "bytes_per_token": str(sum(g.bytes_per_token for g in groups)),
                 "capacity_tokens": each(g.tokens for g in groups),
                 "max_seqs_at_max_model_len": str(min(g.max_seqs_at_full_len for g in groups)),
+                "max_model_len": str(max_model_len),
                 **{k: str(v) for k, v in settings.items()},
             }
         )

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import ModelConfig
-from engine.kv_spec import KVCacheGroup, MLASpec
+from engine.config import CacheConfig
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler
 from engine.scheduler import CacheShift, SchedulerOutput
 from kernels.backend import AttentionBackend
 from kernels.paged import AttentionMetadata, ForwardContext
-from kernels.rotary import RopeLayout, rotate_cached_keys
+from kernels.rotary import RopeLayout
+from models.config import ModelConfig
+from models.interface import CausalLM
+from models.kv_spec import KVCacheGroup, MLASpec
 from models.loader import load_model
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -30,7 +32,7 @@ class ModelRunner:
         self.device = device
         self.dtype = TORCH_DTYPES[dtype]
         self.backend = backend
-        self.model = load_model(model_config, self.dtype, device)
+        self.model: CausalLM = load_model(model_config, self.dtype, device)
         self.groups: list[KVCacheGroup] = self.model.kv_cache_groups(model_config, dtype)
         layer_to_group = [0] * model_config.num_layers
         for gi, g in enumerate(self.groups):
@@ -40,33 +42,30 @@ class ModelRunner:
         self.sampler = Sampler(seed, eos_token_ids, device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the swap pool
-        self.block_size = 0
+        self.cache_config: CacheConfig | None = None
         # How each layer's cached keys were rotated; None: the model cannot shift its cache.
-        rope = getattr(self.model, "cached_key_rope", None)
-        self.key_rope: list[RopeLayout] | None = (
-            [rope(i) for i in range(model_config.num_layers)] if rope is not None else None
-        )
+        rope = [self.model.cached_key_rope(i) for i in range(model_config.num_layers)]
+        self.key_rope: list[RopeLayout] | None = None if None in rope else rope
 
-    def allocate_kv_cache(self, num_blocks: tuple[int, ...], block_size: int) -> None:
-        self.block_size = block_size
+    def allocate_kv_cache(self, config: CacheConfig) -> None:
+        """The device pools, and the host swap pool (pinned when the device is a GPU)."""
+        self.cache_config = config
+        self.kv_caches = self._allocate_pools(config.num_blocks)
+        if config.num_host_blocks:
+            pin = self.device.type == "cuda"
+            self.host_caches = self._allocate_pools(config.num_host_blocks, "cpu", pin)
+
+    def _allocate_pools(self, num_blocks: tuple[int, ...], device=None, pin: bool = False):
         caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for g, n in zip(self.groups, num_blocks):
             for layer in g.layer_ids:
-                caches[layer] = self._allocate(g.spec, n, block_size)
-        self.kv_caches = [caches[i] for i in range(len(caches))]
-
-    def allocate_host_cache(self, num_blocks: tuple[int, ...]) -> None:
-        """The swap pool, laid out as the device cache; pinned when the device is a GPU."""
-        pin = self.device.type == "cuda"
-        caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for g, n in zip(self.groups, num_blocks):
-            for layer in g.layer_ids:
-                caches[layer] = self._allocate(g.spec, n, self.block_size, "cpu", pin)
-        self.host_caches = [caches[i] for i in range(len(caches))]
+                caches[layer] = self._allocate(g.spec, n, device, pin)
+        return [caches[i] for i in range(len(caches))]
 
     def _allocate(
-        self, spec, n: int, block_size: int, device=None, pin: bool = False
+        self, spec, n: int, device=None, pin: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        block_size = self.cache_config.block_size
         # The host pool is only touched by swaps: empty() leaves its pages unmapped until then.
         new = torch.zeros if device is None else torch.empty
         kw = dict(dtype=self.dtype, device=device or self.device)
@@ -82,14 +81,14 @@ class ModelRunner:
     def apply_cache_ops(self, out: SchedulerOutput) -> None:
         """Shifts, then swap-outs, then swap-ins: before any of the step's cache writes."""
         for shift in out.shifts:
-            rotate_shifted_keys(self.kv_caches, self.groups, self.key_rope, shift)
+            rotate_shifted_keys(self.backend, self.kv_caches, self.groups, self.key_rope, shift)
         for group, pairs in zip(self.groups, out.swap_out):
-            copy_blocks(group, pairs, self.kv_caches, self.host_caches)
+            copy_blocks(self.backend, group, pairs, self.kv_caches, self.host_caches)
         for group, pairs in zip(self.groups, out.swap_in):
-            copy_blocks(group, pairs, self.host_caches, self.kv_caches)
+            copy_blocks(self.backend, group, pairs, self.host_caches, self.kv_caches)
 
     def _metadata(self, out: SchedulerOutput, cu: torch.Tensor) -> list[AttentionMetadata]:
-        bs = self.block_size
+        bs = self.cache_config.block_size
         seq_lens = [s.start_pos + len(s.token_ids) for s in out.scheduled]
         prefix_lens = [s.start_pos for s in out.scheduled]
         metas = []
@@ -110,15 +109,21 @@ class ModelRunner:
                     # Within one chunk the ring wraps: only the last width*bs tokens survive.
                     slot[pos < seq_lens[i] - width * bs] = -1
                 slots.append(slot)
+            tables_d = table_t.to(self.device)
+            lens_d = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
+            nd = out.num_decodes
             metas.append(
                 AttentionMetadata(
                     slot_mapping=torch.cat(slots).to(self.device),
-                    block_tables=table_t.to(self.device),
-                    seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+                    block_tables=tables_d,
+                    seq_lens=lens_d,
                     prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32, device=self.device),
                     cu_seqlens_q=cu,
-                    num_decodes=out.num_decodes,
+                    num_decodes=nd,
                     window=window,
+                    decode_plan=self.backend.plan_decode(tables_d[:nd], lens_d[:nd], bs, window)
+                    if nd
+                    else None,
                 )
             )
         return metas
@@ -163,7 +168,11 @@ Caches = list[tuple[torch.Tensor, torch.Tensor]]  # (k, v) per layer; v may be a
 
 
 def rotate_shifted_keys(
-    kv_caches: Caches, groups: list[KVCacheGroup], key_rope: list[RopeLayout], shift: CacheShift
+    backend: AttentionBackend,
+    kv_caches: Caches,
+    groups: list[KVCacheGroup],
+    key_rope: list[RopeLayout],
+    shift: CacheShift,
 ) -> None:
     """Re-rotate the keys a context shift moved, each layer by its own rope layout."""
     for group, blocks in zip(groups, shift.blocks):
@@ -171,11 +180,15 @@ def rotate_shifted_keys(
             continue
         idx = torch.tensor(blocks, dtype=torch.long, device=kv_caches[0][0].device)
         for layer in group.layer_ids:
-            rotate_cached_keys(kv_caches[layer][0], idx, shift.delta, key_rope[layer])
+            backend.rotate_keys(kv_caches[layer][0], idx, shift.delta, key_rope[layer])
 
 
 def copy_blocks(
-    group: KVCacheGroup, pairs: list[tuple[int, int]], src_caches: Caches, dst_caches: Caches
+    backend: AttentionBackend,
+    group: KVCacheGroup,
+    pairs: list[tuple[int, int]],
+    src_caches: Caches,
+    dst_caches: Caches,
 ) -> None:
     """Copy whole blocks (src id, dst id) of every layer of ``group``, K and V."""
     if not pairs:
@@ -186,6 +199,4 @@ def copy_blocks(
         src, dst = src_caches[layer], dst_caches[layer]
         shared = src[1].data_ptr() == src[0].data_ptr()  # MLA: V is the latent part of K
         for s, d in [(src[0], dst[0])] if shared else zip(src, dst):
-            rows = s[src_idx.to(s.device)]
-            # Device to host must be synchronous: the host rows are read right away.
-            d[dst_idx.to(d.device)] = rows.to(d.device, non_blocking=d.is_cuda)
+            backend.copy_blocks(s, d, src_idx, dst_idx)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.overflow import ContextPolicy
+    from engine.context_overflow import ContextPolicy
 
 
 class RequestStatus(enum.Enum):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.context_overflow import ContextOverflow
 from engine.errors import RequestError
-from engine.overflow import ContextOverflow
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,14 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
+from engine.context_overflow import (
+    ContextPolicy,
+    ContextState,
+    Drop,
+    Finish,
+)
 from engine.kv_manager import BlockPairs, BlockTables, KVCacheManager
-from engine.overflow import ContextPolicy, ContextState, Drop, Finish, Preemption, StopPolicy
+from engine.preemption import Preemption
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 
@@ -93,14 +99,14 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         kv: KVCacheManager,
+        default_context_policy: ContextPolicy,
         eos_token_ids: tuple[int, ...] = (),
-        default_context_policy: ContextPolicy | None = None,
     ):
         self.config = config
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
         self.preemption = Preemption(config.preemption_mode)
-        self.default_context_policy = default_context_policy or StopPolicy()
+        self.default_context_policy = default_context_policy  # for requests without their own
         self.waiting: deque[Request] = deque()
         self.swapped: deque[Request] = deque()
         self.running: list[Request] = []

@@ -1,60 +1,143 @@
-"""Attention backends: one interface, selected by name (``torch`` on CPU, ``triton`` on CUDA)."""
+"""Attention backends: one typed interface, a name registry, chosen once per engine.
+
+A backend owns every operation on the paged cache: writing new K/V, prefill and decode
+attention, re-rotating cached keys after a context shift, and copying whole blocks (swap).
+``torch`` is the plain reference and the CPU path; ``triton`` runs the Triton kernels on CUDA.
+Shapes are those of ``kernels.reference``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
 
 from kernels import reference
+from kernels.rotary import RopeLayout, rotate_reference
 
 
-@dataclass(frozen=True)
-class AttentionBackend:
-    """Three operations over the paged cache; signatures as in ``kernels.reference``.
+class AttentionBackend(ABC):
+    name: ClassVar[str]
 
-    ``plan_decode``, when a backend has one, computes once per step what ``decode`` would
-    otherwise recompute in every layer; its result is passed to ``decode`` as ``plan``.
-    """
+    @abstractmethod
+    def write_cache(self, cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Scatter ``rows`` [T, H, D] into ``cache`` [N, bs, H, D]; slot -1 is skipped."""
 
-    name: str
-    write_cache: Callable
-    decode: Callable
-    prefill: Callable
-    plan_decode: Callable | None = None
+    @abstractmethod
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        scale: float,
+        window: int,
+    ) -> torch.Tensor:
+        """Chunks of new tokens attending causally to themselves and their cached prefix."""
+
+    def plan_decode(
+        self, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, window: int
+    ) -> Any:
+        """What ``decode`` would otherwise recompute in every layer: made once per step and
+        KV-cache group by the model runner, passed to ``decode`` as ``plan``."""
+        return None
+
+    @abstractmethod
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        window: int,
+        plan: Any = None,
+    ) -> torch.Tensor:
+        """One query token per sequence, already written to the cache -> [B, Hq, Dv]."""
+
+    @abstractmethod
+    def rotate_keys(
+        self, cache: torch.Tensor, blocks: torch.Tensor, delta: int, layout: RopeLayout
+    ) -> None:
+        """Move the keys held in ``blocks`` by ``delta`` positions, in place."""
+
+    def copy_blocks(
+        self, src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor
+    ) -> None:
+        """Copy whole blocks ``src[src_ids]`` to ``dst[dst_ids]``, possibly across devices."""
+        rows = src[src_ids.to(src.device)]
+        # Device to host must be synchronous: the host rows are read right away.
+        dst[dst_ids.to(dst.device)] = rows.to(dst.device, non_blocking=dst.is_cuda)
 
 
-def _torch_backend() -> AttentionBackend:
-    return AttentionBackend(
-        "torch",
-        reference.write_cache,
-        reference.decode_attention,
-        reference.prefill_attention,
-        reference.plan_decode,
-    )
+class TorchBackend(AttentionBackend):
+    name = "torch"
+
+    def write_cache(self, cache, rows, slots):
+        reference.write_cache(cache, rows, slots)
+
+    def prefill(self, q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens,
+                scale, window):  # fmt: skip
+        return reference.prefill_attention(
+            q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, scale, window
+        )
+
+    def plan_decode(self, block_tables, seq_lens, block_size, window):
+        return reference.gather_plan(block_tables, seq_lens, block_size, window)
+
+    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, window, plan=None):
+        return reference.decode_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, window, plan
+        )
+
+    def rotate_keys(self, cache, blocks, delta, layout):
+        rotate_reference(cache, blocks, delta, layout)
 
 
-def _triton_backend() -> AttentionBackend:
-    from kernels import triton_attention
+class TritonBackend(AttentionBackend):
+    name = "triton"
 
-    return AttentionBackend(
-        "triton",
-        triton_attention.write_cache,
-        triton_attention.decode_attention,
-        triton_attention.prefill_attention,
-    )
+    def __init__(self) -> None:
+        from kernels import rotary, triton_attention
+
+        self._attention = triton_attention
+        self._rotate = rotary.rotate_triton
+
+    def write_cache(self, cache, rows, slots):
+        self._attention.write_cache(cache, rows, slots)
+
+    def prefill(self, q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens,
+                scale, window):  # fmt: skip
+        return self._attention.prefill_attention(
+            q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, scale, window
+        )
+
+    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, window, plan=None):
+        return self._attention.decode_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, window
+        )
+
+    def rotate_keys(self, cache, blocks, delta, layout):
+        self._rotate(cache, blocks, delta, layout)
 
 
-_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
-    "torch": _torch_backend,
-    "triton": _triton_backend,
-}
+BACKENDS: dict[str, type[AttentionBackend]] = {b.name: b for b in (TorchBackend, TritonBackend)}
 
 
-def get_backend(name: str) -> AttentionBackend:
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(_BACKENDS)}")
-    return _BACKENDS[name]()
+def backend_names() -> tuple[str, ...]:
+    return tuple(BACKENDS)
 
 
-def default_backend_name(device: str) -> str:
-    return "triton" if device.startswith("cuda") else "torch"
+def get_backend(name: str | None, device: torch.device) -> AttentionBackend:
+    """The backend called ``name``, or the device's own when None: triton on CUDA, else torch."""
+    if name is None:
+        name = "triton" if device.type == "cuda" else "torch"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {backend_names()}")
+    return BACKENDS[name]()

@@ -1,5 +1,7 @@
 """The per-step attention context a model's layers call into: cache, block tables, backend.
 
+The model runner builds it once per step (with each group's decode plan); layers only read it.
+
 The runner orders each step's sequences decodes first (one new token each), then prefill
 chunks. ``attention`` runs prefill attention before the cache write, because a sliding-window
 chunk may overwrite ring slots that its own first tokens still read; decode runs after it.
@@ -15,7 +17,7 @@ import torch
 from kernels.backend import AttentionBackend
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Tensors of one KV-cache group for one step (B sequences, T new tokens)."""
 
@@ -26,10 +28,10 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # int32 [B + 1], rows of new tokens per sequence
     num_decodes: int  # the first num_decodes sequences have exactly one new token
     window: int = 0
-    decode_plan: Any = None  # the backend's per-step decode plan, made by the first layer
+    decode_plan: Any = None  # the backend's plan for the decodes, made by the runner per step
 
 
-@dataclass
+@dataclass(frozen=True)
 class ForwardContext:
     backend: AttentionBackend
     metadata: list[AttentionMetadata]  # one per KV-cache group
@@ -54,16 +56,8 @@ class ForwardContext:
         if v_cache.data_ptr() != k_cache.data_ptr():
             self.backend.write_cache(v_cache, v, meta.slot_mapping)
         if nd:
-            tables, lens = meta.block_tables[:nd], meta.seq_lens[:nd]
-            extra = {}
-            if self.backend.plan_decode is not None:
-                if meta.decode_plan is None:
-                    block_size = k_cache.shape[1]
-                    meta.decode_plan = self.backend.plan_decode(
-                        tables, lens, block_size, meta.window
-                    )
-                extra["plan"] = meta.decode_plan
             out[:nd] = self.backend.decode(
-                q[:nd], k_cache, v_cache, tables, lens, scale, meta.window, **extra
-            )
+                q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+                meta.window, meta.decode_plan,
+            )  # fmt: skip
         return out

@@ -64,7 +64,7 @@ def _attend(q, k, v, scale, mask=None):
 
 
 @dataclass(frozen=True)
-class DecodePlan:
+class GatherPlan:
     """Where each sequence's attended positions live; the same for every layer of a step."""
 
     blocks: torch.Tensor  # int64 [B, S], physical block of each attended position
@@ -72,9 +72,9 @@ class DecodePlan:
     valid: torch.Tensor  # bool [B, S], False for the padding up to the longest sequence
 
 
-def plan_decode(
+def gather_plan(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, window: int = 0
-) -> DecodePlan:
+) -> GatherPlan:
     """Positions max(0, L - window) .. L - 1 of each sequence, padded to the longest span."""
     lens = seq_lens.long()
     starts = (lens - window).clamp(min=0) if window > 0 else torch.zeros_like(lens)
@@ -86,7 +86,7 @@ def plan_decode(
     if window > 0:
         logical = logical % block_tables.shape[1]
     blocks = torch.gather(block_tables.long(), 1, logical)
-    return DecodePlan(blocks, pos % block_size, valid)
+    return GatherPlan(blocks, pos % block_size, valid)
 
 
 def decode_attention(
@@ -97,16 +97,16 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     window: int = 0,
-    plan: DecodePlan | None = None,
+    plan: GatherPlan | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (already written to the cache) -> [B, Hq, Dv].
 
     Each sequence's context is gathered through its block table, padded to the longest one,
-    and the padding masked out of the softmax. ``plan`` (from ``plan_decode``) may be shared
+    and the padding masked out of the softmax. ``plan`` (from ``gather_plan``) may be shared
     by all layers of a step.
     """
     if plan is None:
-        plan = plan_decode(block_tables, seq_lens, k_cache.shape[1], window)
+        plan = gather_plan(block_tables, seq_lens, k_cache.shape[1], window)
     k = k_cache[plan.blocks, plan.offsets].float().transpose(1, 2)  # [B, Hkv, S, Dk]
     v = v_cache[plan.blocks, plan.offsets].float().transpose(1, 2)
     out = F.scaled_dot_product_attention(

@@ -14,7 +14,8 @@ Which values of a cached row are rotary, and how they pair, is the model's busin
     MLA latent row: [ c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim) ], start = kv_lora_rank
 
 The cache is ``[N, bs, H, D]``; whole blocks are rotated (a slot not yet written holds nothing
-that will be read before it is written). ``torch`` on CPU, a Triton kernel on CUDA.
+that will be read before it is written). ``rotate_reference`` in torch, ``rotate_triton`` on
+CUDA; the attention backend picks one.
 """
 
 from __future__ import annotations
@@ -131,13 +132,3 @@ def rotate_triton(
         H=heads, HALF=half, START=layout.start, INTERLEAVED=layout.interleaved, BS=block_size,
         BLOCK_H=triton.next_power_of_2(heads), BLOCK_P=triton.next_power_of_2(half),
     )  # fmt: skip
-
-
-def rotate_cached_keys(
-    cache: torch.Tensor, blocks: torch.Tensor, delta: int, layout: RopeLayout
-) -> None:
-    """Move the keys held in ``blocks`` by ``delta`` positions (negative: towards the start)."""
-    if cache.is_cuda and triton is not None:
-        rotate_triton(cache, blocks, delta, layout)
-    else:
-        rotate_reference(cache, blocks, delta, layout)

@@ -534,7 +534,7 @@ def write_cache(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Ten
 
 
 @dataclass(frozen=True)
-class DecodePlan:
+class LaunchPlan:
     """Launch shape of one decode call: query heads per program, head tiles, context splits."""
 
     block_g: int
@@ -542,14 +542,14 @@ class DecodePlan:
     num_splits: int
 
 
-def plan_decode(
+def launch_plan(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     window: int = 0,
     num_splits: int | None = None,
-) -> DecodePlan:
+) -> LaunchPlan:
     """How ``decode_attention`` will launch for these inputs (the benchmark reports it)."""
     num_kv_heads = k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
@@ -561,7 +561,7 @@ def plan_decode(
             max_context = min(max_context, window)
         programs = num_kv_heads * head_tiles
         num_splits = choose_num_splits(q.shape[0], programs, max_context, q.device)
-    return DecodePlan(block_g, head_tiles, num_splits)
+    return LaunchPlan(block_g, head_tiles, num_splits)
 
 
 def decode_attention(
@@ -577,7 +577,7 @@ def decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence (already written to the cache) -> [B, Hq, Dv].
 
-    Grid: (B, KV heads x head tiles, splits); see ``plan_decode``. ``num_splits`` overrides the
+    Grid: (B, KV heads x head tiles, splits); see ``launch_plan``. ``num_splits`` overrides the
     heuristic (tests force split-K on and off with it).
     """
     batch, num_heads, _ = q.shape
@@ -588,7 +588,7 @@ def decode_attention(
         return out
     block_tables = _rows_contiguous(block_tables)
     meta = _common_meta(q, k_cache, v_cache)
-    plan = plan_decode(q, k_cache, v_cache, block_tables, window, num_splits)
+    plan = launch_plan(q, k_cache, v_cache, block_tables, window, num_splits)
     num_splits = plan.num_splits
     if num_splits > 1:
         part_out = torch.empty(

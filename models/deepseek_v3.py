@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.kv_spec import KVCacheGroup, MLASpec
 from kernels.paged import ForwardContext
 from kernels.rotary import RopeLayout
+from models.config import ModelConfig
+from models.kv_spec import KVCacheGroup, MLASpec
 from models.layers import GatedMLP, RMSNorm
 from models.loader import load_by_name
 

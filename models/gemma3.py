@@ -15,12 +15,13 @@ import math
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.kv_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from kernels.paged import ForwardContext
 from kernels.rotary import RopeLayout
+from models.config import ModelConfig
+from models.kv_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin
 from models.llama import LlamaAttention
+from models.loader import load_by_name
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -150,6 +151,9 @@ class Gemma3ForCausalLM(nn.Module):
             spec = FullAttentionSpec(cfg.num_kv_heads, cfg.head_dim, dtype)
             groups.append(KVCacheGroup(spec, full))
         return groups
+
+    def load_weights(self, weights) -> None:
+        load_by_name(self, weights)
 
     def _rope_kind(self, layer_id: int) -> str:
         return SLIDING if self.model.layers[layer_id].kind == SLIDING else FULL

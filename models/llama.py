@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.kv_spec import FullAttentionSpec, KVCacheGroup
 from kernels.paged import ForwardContext
 from kernels.rotary import RopeLayout
+from models.config import ModelConfig
+from models.kv_spec import FullAttentionSpec, KVCacheGroup
 from models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from models.loader import load_by_name
 
 
 class LlamaAttention(nn.Module):
@@ -84,6 +85,9 @@ class LlamaForCausalLM(nn.Module):
     def kv_cache_groups(cfg: ModelConfig, dtype: str) -> list[KVCacheGroup]:
         spec = FullAttentionSpec(cfg.num_kv_heads, cfg.head_dim, dtype)
         return [KVCacheGroup(spec, tuple(range(cfg.num_layers)))]
+
+    def load_weights(self, weights) -> None:
+        load_by_name(self, weights)
 
     def cached_key_rope(self, layer_id: int) -> RopeLayout:
         """How the keys this model caches were rotated: every layer alike, half-split."""

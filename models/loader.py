@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.config import ModelConfig
+from models.config import ModelConfig
+from models.interface import CausalLM
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "models.llama:LlamaForCausalLM",
@@ -19,7 +20,7 @@ ARCHITECTURES = {
 }
 
 
-def model_class(cfg: ModelConfig) -> type[nn.Module]:
+def model_class(cfg: ModelConfig) -> type[CausalLM]:
     target = ARCHITECTURES.get(cfg.architecture)
     if target is None:
         supported = ", ".join(sorted(ARCHITECTURES))
@@ -38,7 +39,7 @@ def iter_safetensors(path: Path):
                 yield name, f.get_tensor(name)
 
 
-def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
     """Build the model for ``cfg`` and fill it from the folder's safetensors files."""
     cls = model_class(cfg)
     previous = torch.get_default_dtype()
@@ -48,11 +49,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn
             model = cls(cfg)
     finally:
         torch.set_default_dtype(previous)
-    weights = iter_safetensors(cfg.path)
-    if hasattr(model, "load_weights"):
-        model.load_weights(weights)
-    else:
-        load_by_name(model, weights)
+    model.load_weights(iter_safetensors(cfg.path))
     return model.eval()
 
 

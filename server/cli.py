@@ -1,124 +1,40 @@
-"""The `kvserve` command: serve, fetch, convert, and the subcommands other modules own."""
+"""The `kvserve` command: serve, plan, fetch, convert, and the client tools' subcommands.
+
+Engine flags come from ``engine.args`` (each setting declared once). Client tools (``bench``,
+``tune``) live in the ``bench`` package and are found through the ``kvserve.commands`` entry
+points, so the server never imports them; they parse their own arguments.
+"""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
+from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.config import EngineArgs
-from engine.overflow import CONTEXT_POLICIES, PREEMPTION_MODES
+from engine.args import EngineArgs, add_cli_args, from_cli_args
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
 
 log = logging.getLogger("kvserve")
 
-# Subcommands that parse their own argv, as "module:function".
-PASS_THROUGH = {
-    "bench": ("server.bench:main", "benchmark a running server"),
-    "tune": ("server.tune:main", "search engine settings for a workload"),
-    "plan": ("engine.plan:main", "plan KV-cache capacity for a model and device"),
-}
+PLAN_SETTINGS = ("model", "kv_cache_memory_gib", "max_model_len", "block_size", "dtype")
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The flags that map onto EngineArgs; a new engine option is added here and below."""
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", required=True, help="model folder, or an alias from `fetch`")
-    g.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: by device)")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    g.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    size = g.add_mutually_exclusive_group()
-    size.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per pool")
-    size.add_argument(
-        "--kv-cache-memory", type=float, default=None, metavar="GIB", help="KV cache size in GiB"
-    )
-    g.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
-    g.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step"
-    )
-    g.add_argument(
-        "--attention-backend", choices=["torch", "triton"], default=None, help="default: by device"
-    )
-    g.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
-    o = parser.add_argument_group("overflow policies (a request may override the context one)")
-    o.add_argument(
-        "--context-overflow",
-        choices=CONTEXT_POLICIES,
-        default="error",
-        help="when prompt + generation reach --max-model-len: error (400), truncate the prompt, "
-        "stop (finish_reason length), shift the cache (llama.cpp), sink (StreamingLLM)",
-    )
-    o.add_argument(
-        "--context-n-keep", type=int, default=None, help="tokens kept at the start (default 4)"
-    )
-    o.add_argument(
-        "--context-n-discard",
-        type=int,
-        default=None,
-        help="tokens a shift discards (default: half the rest; sink: one block)",
-    )
-    o.add_argument(
-        "--preemption-mode",
-        choices=PREEMPTION_MODES,
-        default="recompute",
-        help="how a running request gives up its KV blocks when the pool runs out",
-    )
-    o.add_argument(
-        "--swap-space",
-        type=float,
-        default=4.0,
-        metavar="GIB",
-        help="host memory for swapped-out KV blocks (with --preemption-mode swap)",
-    )
-    o.add_argument(
-        "--max-queue-len",
-        type=int,
-        default=None,
-        help="waiting requests beyond which new ones get 429 (default: unbounded)",
-    )
-    o.add_argument(
-        "--max-queued-tokens",
-        type=int,
-        default=None,
-        help="waiting prompt tokens beyond which new requests get 429",
-    )
+def client_commands() -> dict[str, EntryPoint]:
+    """Subcommands other packages register under the ``kvserve.commands`` entry points."""
+    return {ep.name: ep for ep in entry_points(group="kvserve.commands")}
 
 
-def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(
-        model=ns.model,
-        dtype=ns.dtype,
-        device=ns.device,
-        block_size=ns.block_size,
-        num_kv_blocks=ns.num_kv_blocks,
-        kv_cache_memory_gib=ns.kv_cache_memory,
-        max_model_len=ns.max_model_len,
-        max_num_seqs=ns.max_num_seqs,
-        max_num_batched_tokens=ns.max_num_batched_tokens,
-        attention_backend=ns.attention_backend,
-        seed=ns.seed,
-        context_overflow=ns.context_overflow,
-        context_n_keep=ns.context_n_keep,
-        context_n_discard=ns.context_n_discard,
-        preemption_mode=ns.preemption_mode,
-        swap_space_gib=ns.swap_space,
-        max_queue_len=ns.max_queue_len,
-        max_queued_tokens=ns.max_queued_tokens,
-    )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+def build_parser(client: dict[str, EntryPoint] | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    add_engine_args(serve)
+    add_cli_args(serve)
     http = serve.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=int, default=8000)
@@ -127,6 +43,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     http.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
 
+    plan = sub.add_parser(
+        "plan",
+        help="plan KV-cache capacity for a model and device",
+        description="What a KV-cache budget holds for a model, from its config.json alone: the "
+        "numbers `kvserve serve` logs at start-up.",
+    )
+    add_cli_args(
+        plan,
+        PLAN_SETTINGS,
+        defaults={"dtype": "bfloat16"},
+        required=("model", "kv_cache_memory_gib"),
+    )
+
     fetch = sub.add_parser("fetch", help="download and convert a model by alias")
     fetch.add_argument("alias")
 
@@ -134,34 +63,34 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("gguf", type=Path, metavar="FILE.gguf")
     convert.add_argument("out_dir", type=Path, metavar="OUT_DIR")
 
-    for name, (_, help_text) in PASS_THROUGH.items():
-        sub.add_parser(name, help=help_text, add_help=False)
+    for name, ep in (client or {}).items():
+        sub.add_parser(name, help=f"client tool ({ep.value}); see `kvserve {name} --help`")
     return parser
 
 
-def run_pass_through(name: str, argv: list[str]) -> int | None:
-    module_name, func = PASS_THROUGH[name][0].split(":")
+def engine_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> EngineArgs:
+    """The parsed engine flags, checked; a bad value is a usage error (exit status 2)."""
     try:
-        module = importlib.import_module(module_name)
+        return from_cli_args(ns)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def run_client_command(ep: EntryPoint, argv: list[str]) -> int:
+    try:
+        main = ep.load()
     except ModuleNotFoundError as e:
-        if e.name != module_name:
-            raise
-        sys.exit(f"kvserve: `{name}` is not available in this install ({module_name} is missing)")
-    return getattr(module, func)(argv)
+        sys.exit(f"kvserve: `{ep.name}` needs the bench extra (pip install 'kvserve[bench]'): {e}")
+    return main(argv) or 0
 
 
-def log_startup(engine: AsyncEngine, served_model_name: str, block_size: int) -> None:
-    stats = engine.stats()
-    blocks = stats["kv_total_blocks"]
-    log.info("model %s, served as %r", engine.model_name, served_model_name)
+def log_startup(engine: AsyncEngine, served_model_name: str) -> None:
+    """The engine has logged its capacity table; say under which name it is served."""
     log.info(
-        "max_model_len %d; KV cache %d blocks of %d tokens: %d token slots, %d sequences at "
-        "max_model_len",
+        "model %s, served as %r, max_model_len %d",
+        engine.model_name,
+        served_model_name,
         engine.max_model_len,
-        blocks,
-        block_size,
-        blocks * block_size,
-        blocks // max(1, -(-engine.max_model_len // block_size)),
     )
 
 
@@ -175,10 +104,20 @@ def serve(ns: argparse.Namespace, args: EngineArgs) -> int:
     try:
         served = ns.served_model_name or engine.model_name
         app = build_app(engine, served, extra_model_names=[ns.model, Path(ns.model).name])
-        log_startup(engine, served, args.block_size)
+        log_startup(engine, served)
         uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level)
     finally:
         engine.shutdown()
+    return 0
+
+
+def plan(args: EngineArgs) -> int:
+    from engine.capacity import format_plan, make_plan
+
+    result = make_plan(
+        args.model, args.kv_cache_memory_gib, args.max_model_len, args.block_size, args.dtype
+    )
+    print(format_plan(result))
     return 0
 
 
@@ -188,16 +127,19 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
-    if argv and argv[0] in PASS_THROUGH:
-        return run_pass_through(argv[0], argv[1:]) or 0
-    parser = build_parser()
+    client = client_commands()
+    if argv and argv[0] in client:
+        return run_client_command(client[argv[0]], argv[1:])
+    parser = build_parser(client)
     ns = parser.parse_args(argv)
     if ns.command == "serve":
+        return serve(ns, engine_args(parser, ns))
+    if ns.command == "plan":
+        args = engine_args(parser, ns)
         try:
-            args = engine_args_from(ns)
-        except ValueError as e:
+            return plan(args)
+        except (ValueError, FileNotFoundError) as e:
             parser.error(str(e))
-        return serve(ns, args)
     if ns.command == "fetch":
         from models.fetch import fetch
 

@@ -9,7 +9,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
 
-from engine.overflow import ContextOverflow
+from engine.context_overflow import CONTEXT_POLICIES, ContextOverflow
+from engine.errors import RequestError
 from engine.sampling_params import SamplingParams
 
 # OpenAI fields we deliberately leave out. A request may still carry one when its value means
@@ -77,23 +78,31 @@ class StreamOptions(OpenAIBody):
 class OverflowOptions(OpenAIBody):
     """kvserve extension: what to do when prompt + generation reach the model's context."""
 
-    policy: Literal["error", "truncate", "stop", "shift", "sink"] = Field(
+    policy: Literal[CONTEXT_POLICIES] = Field(
         description="error: refuse prompt + max_tokens over the limit (400). truncate: drop the "
         "oldest prompt tokens after the first n_keep. stop: generate until the context is full, "
         "finish_reason 'length'. shift: when full, discard n_discard tokens after the first "
         "n_keep, re-rotate the cache and go on until max_tokens. sink: StreamingLLM, n_keep "
         "attention sinks plus the most recent window."
     )
-    n_keep: Annotated[StrictInt, Field(ge=-1)] | None = Field(
+    n_keep: StrictInt | None = Field(
         None,
         description="Tokens kept at the start (-1: the whole prompt); for sink, the attention "
         "sinks. Default 4. shift and sink round it up to a KV block.",
     )
-    n_discard: Annotated[StrictInt, Field(ge=1)] | None = Field(
+    n_discard: StrictInt | None = Field(
         None,
         description="Tokens discarded at each overflow, rounded up to a KV block. Default: "
         "half of what follows the kept tokens (shift), one block (sink).",
     )
+
+    @model_validator(mode="after")
+    def _check(self) -> OverflowOptions:
+        try:
+            self.to_engine()
+        except RequestError as e:
+            raise _field_error(e.param or "overflow", e.message) from None
+        return self
 
     def to_engine(self) -> ContextOverflow:
         return ContextOverflow(self.policy, self.n_keep, self.n_discard)

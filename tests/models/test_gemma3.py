@@ -11,16 +11,16 @@ from types import MappingProxyType
 
 import pytest
 import torch
-from helpers import random_prompt, tiny_gemma3
 
 from engine import LLM, SamplingParams
-from engine.config import ModelConfig
-from engine.kv_spec import FullAttentionSpec, SlidingWindowSpec
 from kernels import reference
-from kernels.rotary import rotate_cached_keys
+from kernels.backend import TorchBackend
+from models.config import ModelConfig
 from models.gemma3 import Gemma3ForCausalLM, rope_parameters
+from models.kv_spec import FullAttentionSpec, SlidingWindowSpec
 from models.layers import apply_rope, rope_cos_sin
 from models.loader import load_model
+from tests.helpers import random_prompt, tiny_gemma3
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -122,7 +122,7 @@ def test_context_shift_rotates_each_layer_with_its_own_rope_base(tiny):
         layout = model.cached_key_rope(layer_id)
         assert torch.equal(layout.inv_freq, getattr(hf.model.rotary_emb, f"{kind}_inv_freq"))
         cache = apply_rope(key, *rope_cos_sin(positions, layout.inv_freq, key.dtype))[None]
-        rotate_cached_keys(cache, torch.tensor([0]), -delta, layout)
+        TorchBackend().rotate_keys(cache, torch.tensor([0]), -delta, layout)
         moved = apply_rope(key, *rope_cos_sin(positions - delta, layout.inv_freq, key.dtype))
         torch.testing.assert_close(cache[0], moved, atol=1e-3, rtol=0)
 

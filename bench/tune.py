@@ -41,19 +41,17 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from engine.config import EngineArgs
-from server.bench import (
+from bench.cli import add_workload_arguments, workload_from_args
+from bench.loadtest import (
     BenchConfig,
     BenchError,
     BenchResult,
     _json_safe,
-    add_workload_arguments,
     load_dataset,
     parse_metrics,
     run_benchmark,
-    workload_from_args,
 )
-from server.cli import add_engine_args, engine_args_from
+from engine.args import EngineArgs, add_cli_args, from_cli_args
 
 DEFAULT_MAX_POINTS = 16
 # Points within this fraction of the best value tie: a smaller lead is under the run-to-run
@@ -761,7 +759,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example: kvserve tune --model smollm2-135m-instruct --sweep max_num_seqs=4,16 "
         "--sweep preemption_mode=recompute,swap --num-prompts 50 --slo ttft=500,tpot=50",
     )
-    add_engine_args(p)
+    add_cli_args(p)
     t = p.add_argument_group("sweep")
     t.add_argument(
         "--sweep",
@@ -842,7 +840,7 @@ def plan_from_args(args: argparse.Namespace) -> TunePlan:
             f"the sweep has {size} points, over --max-points {args.max_points}; "
             "sweep fewer values or raise --max-points"
         )
-    base = engine_args_from(args)
+    base = from_cli_args(args)
     points = [
         PointResult(i, settings, engine_args)
         for i, (settings, engine_args) in enumerate(sweep_points(base, sweeps), 1)

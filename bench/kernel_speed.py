@@ -1,4 +1,4 @@
-"""Paged decode attention benchmark: ``python -m kernels.bench [--out PREFIX]``.
+"""Paged decode attention benchmark: ``python -m bench.kernel_speed [--out PREFIX]``.
 
 Per shape: median time over repeats (CUDA events, L2 flushed before each), the K/V bytes the
 kernel must read divided by that time, and that bandwidth as a fraction of a device-to-device
@@ -283,7 +283,7 @@ def bench_shape(case: Case, timer: Timer, copy_bps: float, num_splits: int | Non
 
         window = case.shape.window
         args = (case.q, case.k_cache, case.v_cache, case.tables, window, num_splits)
-        splits = triton_attention.plan_decode(*args).num_splits
+        splits = triton_attention.launch_plan(*args).num_splits
     notes = []
     baselines = {}
     for name, make in (("sdpa", _sdpa), ("flashinfer", _flashinfer), ("flash_attn", _flash_attn)):
@@ -338,7 +338,7 @@ def environment(device: str) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m kernels.bench", description=__doc__.split("\n")[0]
+        prog="python -m bench.kernel_speed", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (torch path)")
     parser.add_argument("--out", type=Path, help="write PREFIX.md and PREFIX.json")
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
 def _write(args, rows: list[Row], table: str, kernel: str, copy_bps: float, device: str) -> None:
     env = environment(device)
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    command = "python -m kernels.bench " + " ".join(sys.argv[1:])
+    command = "python -m bench.kernel_speed " + " ".join(sys.argv[1:])
     meta = {**env, "date": date, "command": command, "kernel": kernel}
     meta |= {"block_size": args.block_size, "dtype": args.dtype, "copy_gbs": copy_bps / 1e9}
     args.out.parent.mkdir(parents=True, exist_ok=True)

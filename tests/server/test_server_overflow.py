@@ -7,10 +7,10 @@ import asyncio
 
 import httpx
 import pytest
-from helpers import serve_in_thread
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.config import EngineArgs
+from engine.args import EngineArgs
+from tests.helpers import serve_in_thread
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from helpers import serve_in_thread
 
-from server.bench import (
+from bench.cli import main
+from bench.loadtest import (
     SLO,
     BenchConfig,
     BenchError,
@@ -27,12 +27,12 @@ from server.bench import (
     arrival_times,
     is_loopback_url,
     latency_stats,
-    main,
     parse_metrics,
     run_benchmark,
     summarize,
     synthetic_requests,
 )
+from tests.helpers import serve_in_thread
 
 MODEL = "fake-model"
 
@@ -492,8 +492,8 @@ def test_cli_prints_table_and_writes_json_and_plots(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_real_server_completes_a_short_benchmark(smollm2_dir):
+    from engine.args import EngineArgs
     from engine.async_engine import AsyncEngine
-    from engine.config import EngineArgs
     from server.app import build_app
 
     args = EngineArgs(

@@ -1,4 +1,5 @@
-"""`kvserve bench`: a load tester for OpenAI-compatible servers (kvserve, vLLM, llama.cpp).
+"""The load tester behind `kvserve bench`, for OpenAI-compatible servers (kvserve, vLLM,
+llama.cpp).
 
 Programmatic use (the policy tuner drives it in-process)::
 
@@ -8,13 +9,11 @@ Programmatic use (the policy tuner drives it in-process)::
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import ipaddress
 import json
 import math
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -880,183 +879,3 @@ def write_result_json(result: BenchResult, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result.to_dict(), indent=2, allow_nan=False) + "\n")
     return path
-
-
-# --- CLI ------------------------------------------------------------------------------------
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvserve bench",
-        description="Load-test an OpenAI-compatible server (kvserve, vLLM, llama.cpp).",
-    )
-    target = p.add_argument_group("target")
-    target.add_argument("--base-url", default=DEFAULT_BASE_URL)
-    target.add_argument("--model", help="default: the first model of GET /models")
-    target.add_argument("--api-key", help="sent as a Bearer token")
-    target.add_argument(
-        "--allow-remote", action="store_true", help="allow a target whose host is not loopback"
-    )
-    add_workload_arguments(p)
-    out = p.add_argument_group("output")
-    out.add_argument("--result-json", metavar="PATH")
-    out.add_argument("--plot-dir", metavar="DIR")
-    out.add_argument("--no-progress", dest="progress", action="store_false")
-    return p
-
-
-def add_workload_arguments(p: argparse.ArgumentParser, seed: bool = True) -> None:
-    """The flags that describe the load, shared by `kvserve bench` and `kvserve tune`.
-
-    ``seed=False`` leaves ``--seed`` to a parser that already has one (the engine's flags).
-    """
-    req = p.add_argument_group("requests")
-    req.add_argument("--endpoint", choices=sorted(ENDPOINT_PATHS), default="completions")
-    req.add_argument(
-        "--no-stream",
-        dest="stream",
-        action="store_false",
-        help="one JSON reply per request (no TTFT/ITL)",
-    )
-    req.add_argument("--request-timeout", type=float, default=300.0, metavar="S")
-    load = p.add_argument_group("load")
-    load.add_argument("--num-prompts", type=int, default=100)
-    load.add_argument(
-        "--duration",
-        type=float,
-        default=600.0,
-        metavar="S",
-        help="stop (cancelling what still runs) after this long",
-    )
-    load.add_argument(
-        "--request-rate",
-        type=float,
-        default=math.inf,
-        metavar="R",
-        help="requests/s with gamma inter-arrivals; default: all at once",
-    )
-    load.add_argument(
-        "--burstiness",
-        type=float,
-        default=1.0,
-        metavar="B",
-        help="gamma shape: 1 Poisson, <1 burstier, >1 more even",
-    )
-    load.add_argument("--max-concurrency", type=int, metavar="N")
-    if seed:
-        load.add_argument("--seed", type=int, default=0)
-    work = p.add_argument_group("prompts")
-    work.add_argument("--input-len", type=int, default=256)
-    work.add_argument("--output-len", type=int, default=128)
-    work.add_argument(
-        "--input-len-range",
-        type=float,
-        default=0.0,
-        metavar="RATIO",
-        help="input lengths uniform in len*(1-RATIO)..len*(1+RATIO)",
-    )
-    work.add_argument("--output-len-range", type=float, default=0.0, metavar="RATIO")
-    work.add_argument(
-        "--prefix-len",
-        type=int,
-        default=0,
-        help="tokens of a prefix shared by all synthetic prompts",
-    )
-    work.add_argument(
-        "--dataset",
-        metavar="FILE.jsonl",
-        help='lines with "prompt" or "messages", optional "max_tokens"',
-    )
-    work.add_argument(
-        "--no-ignore-eos",
-        dest="ignore_eos",
-        action="store_false",
-        help="omit the ignore_eos extension (servers that reject it)",
-    )
-    work.add_argument("--temperature", type=float, default=0.0)
-    work.add_argument(
-        "--extra-body",
-        type=json.loads,
-        default={},
-        metavar="JSON",
-        help="fields merged into every request body",
-    )
-    work.add_argument(
-        "--no-calibrate",
-        dest="calibrate",
-        action="store_false",
-        help="do not size prompts with the server's /tokenize",
-    )
-    meas = p.add_argument_group("measurement")
-    meas.add_argument("--slo", type=SLO.parse, default=SLO(), metavar="ttft=MS,tpot=MS[,e2e=MS]")
-    meas.add_argument(
-        "--scrape-interval",
-        type=float,
-        default=0.5,
-        metavar="S",
-        help="/metrics sampling period; 0 turns scraping off",
-    )
-
-
-def workload_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """BenchConfig fields from the flags of ``add_workload_arguments``."""
-    if not isinstance(args.extra_body, dict):
-        raise ValueError("--extra-body must be a JSON object")
-    return dict(
-        endpoint=args.endpoint,
-        stream=args.stream,
-        num_prompts=args.num_prompts,
-        duration_s=args.duration,
-        request_rate=args.request_rate,
-        burstiness=args.burstiness,
-        max_concurrency=args.max_concurrency,
-        seed=args.seed,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        input_len_range=args.input_len_range,
-        output_len_range=args.output_len_range,
-        prefix_len=args.prefix_len,
-        dataset=args.dataset,
-        ignore_eos=args.ignore_eos,
-        temperature=args.temperature,
-        extra_body=args.extra_body,
-        slo=args.slo,
-        scrape_interval_s=args.scrape_interval,
-        request_timeout_s=args.request_timeout,
-        calibrate=args.calibrate,
-    )
-
-
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    return BenchConfig(
-        base_url=args.base_url,
-        model=args.model,
-        api_key=args.api_key,
-        allow_remote=args.allow_remote,
-        show_progress=args.progress,
-        **workload_from_args(args),
-    )
-
-
-def main(argv: list[str]) -> int:
-    """``kvserve bench``: 0 when some request succeeded, 1 when none did, 2 on bad usage."""
-    args = build_parser().parse_args(argv)
-    try:
-        config = config_from_args(args)
-        result = asyncio.run(run_benchmark(config))
-    except (BenchError, ValueError) as e:
-        print(f"kvserve bench: {e}", file=sys.stderr)
-        return 2
-    print(format_summary(result))
-    if args.result_json:
-        print(f"result: {write_result_json(result, args.result_json)}")
-    if args.plot_dir:
-        from server.bench_plots import save_plots
-
-        for path in save_plots(result, args.plot_dir):
-            print(f"plot: {path}")
-    return 0 if result.summary.completed else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

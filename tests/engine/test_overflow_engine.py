@@ -5,13 +5,13 @@ and the metrics that count all of it."""
 from __future__ import annotations
 
 import pytest
-from helpers import random_prompt, save_tiny_llama
 from prometheus_client import generate_latest
 
 from engine import LLM, SamplingParams
+from engine.context_overflow import ContextOverflow
 from engine.errors import QueueFullError, RequestError
 from engine.llm_engine import LLMEngine
-from engine.overflow import ContextOverflow
+from tests.helpers import random_prompt, save_tiny_llama
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -13,19 +13,14 @@ import random
 
 import pytest
 
-from engine.config import SchedulerConfig
-from engine.errors import RequestError
-from engine.kv_manager import KVCacheManager
-from engine.kv_spec import FullAttentionSpec, KVCacheGroup, MLASpec, SlidingWindowSpec
-from engine.overflow import (
-    Admission,
+from engine.config import CacheConfig, SchedulerConfig
+from engine.context_overflow import (
     ContextOverflow,
     ContextState,
     Drop,
     ErrorPolicy,
     Finish,
     Fits,
-    Preemption,
     Reject,
     ShiftPolicy,
     SinkPolicy,
@@ -33,9 +28,13 @@ from engine.overflow import (
     TruncatePolicy,
     context_policy,
 )
+from engine.errors import RequestError
+from engine.kv_manager import KVCacheManager
+from engine.preemption import Admission, Preemption
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from models.kv_spec import FullAttentionSpec, KVCacheGroup, MLASpec, SlidingWindowSpec
 
 BS = 4
 
@@ -141,7 +140,7 @@ def test_admission_bounds_the_queue_by_requests_and_tokens():
 
 
 def test_drop_removes_whole_blocks_from_a_full_table():
-    kv = KVCacheManager([KVCacheGroup(FullAttentionSpec(1, 4), (0,))], (10,), BS)
+    kv = KVCacheManager(CacheConfig([KVCacheGroup(FullAttentionSpec(1, 4), (0,))], BS, (10,)))
     tables = kv.new_tables()
     kv.allocate(tables, 20)
     a, b, c, d, e = tables[0]
@@ -156,7 +155,7 @@ def test_drop_removes_whole_blocks_from_a_full_table():
 
 def test_drop_turns_a_full_ring_and_keeps_its_blocks():
     spec = SlidingWindowSpec(1, 4, window_size=6)  # ring of 3 blocks
-    kv = KVCacheManager([KVCacheGroup(spec, (0,))], (10,), BS)
+    kv = KVCacheManager(CacheConfig([KVCacheGroup(spec, (0,))], BS, (10,)))
     tables = kv.new_tables()
     kv.allocate(tables, 24)
     a, b, c = tables[0]
@@ -169,7 +168,7 @@ def test_drop_turns_a_full_ring_and_keeps_its_blocks():
 
 def test_drop_treats_a_ring_that_never_wrapped_like_a_full_table():
     spec = SlidingWindowSpec(1, 4, window_size=30)  # ring of 9 blocks, longer than the context
-    kv = KVCacheManager([KVCacheGroup(spec, (0,))], (10,), BS)
+    kv = KVCacheManager(CacheConfig([KVCacheGroup(spec, (0,))], BS, (10,)))
     tables = kv.new_tables()
     kv.allocate(tables, 20)
     a, b, c, d, e = tables[0]
@@ -236,9 +235,9 @@ class PagedFakeRunner:
 
 
 def make(groups, num_blocks, *, max_len=32, budget=16, max_seqs=4, mode="recompute", host=()):
-    kv = KVCacheManager(groups, num_blocks, BS, host)
+    kv = KVCacheManager(CacheConfig(groups, BS, num_blocks, host))
     config = SchedulerConfig(max_seqs, budget, max_len, mode)
-    return Scheduler(config, kv), kv
+    return Scheduler(config, kv, StopPolicy()), kv
 
 
 def run(sched: Scheduler, kv: KVCacheManager, runner: PagedFakeRunner | None = None):

@@ -11,12 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.config import CacheConfig
 from engine.kv_manager import KVCacheManager
-from engine.kv_spec import FullAttentionSpec, KVCacheGroup, MLASpec, SlidingWindowSpec
 from engine.model_runner import rotate_shifted_keys
 from engine.scheduler import CacheShift
 from kernels import reference, rotary
+from kernels.backend import TorchBackend
 from kernels.rotary import RopeLayout, rotate_reference
+from models.kv_spec import FullAttentionSpec, KVCacheGroup, MLASpec, SlidingWindowSpec
 from models.layers import rope_inv_freq
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -122,7 +124,7 @@ def test_after_a_shift_kept_keys_equal_keys_roped_at_their_new_positions(groups)
         else RopeLayout(rope_inv_freq(16, 10000.0 * (gi + 1)))
         for gi, g in enumerate(groups)
     ]
-    kv = KVCacheManager(groups, (16,) * len(groups), bs)
+    kv = KVCacheManager(CacheConfig(groups, bs, (16,) * len(groups)))
     tables = kv.new_tables()
     kv.allocate(tables, n)
     caches, raw = {}, {}
@@ -145,7 +147,7 @@ def test_after_a_shift_kept_keys_equal_keys_roped_at_their_new_positions(groups)
     count = kv.max_discard(tables, n, keep)
     assert count >= bs
     moved = kv.drop(tables, n, keep, count)
-    rotate_shifted_keys(kv_caches, groups, key_rope, CacheShift("r", -count, moved))
+    rotate_shifted_keys(TorchBackend(), kv_caches, groups, key_rope, CacheShift("r", -count, moved))
 
     # Old position p >= keep + count is now p - count; the kept ones stay.
     new_len = n - count

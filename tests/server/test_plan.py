@@ -5,13 +5,18 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import tiny_deepseek_v3_config
 
-from engine.capacity import GIB
-from engine.kv_spec import FullAttentionSpec, KVCacheGroup, MLASpec, SlidingWindowSpec
-from engine.plan import main, make_plan
+from engine.capacity import make_plan
+from engine.config import GIB
+from models.kv_spec import FullAttentionSpec, KVCacheGroup, MLASpec, SlidingWindowSpec
+from server.cli import main as kvserve
+from tests.helpers import tiny_deepseek_v3_config
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def main(argv: list[str]) -> int:
+    return kvserve(["plan", *argv])
 
 
 def write_config(folder, **fields):

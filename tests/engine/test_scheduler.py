@@ -2,13 +2,15 @@
 
 import random
 
-from engine.config import SchedulerConfig
+from engine.config import CacheConfig, SchedulerConfig
+from engine.context_overflow import StopPolicy
 from engine.kv_manager import KVCacheManager
-from engine.kv_spec import FullAttentionSpec, KVCacheGroup
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from models.kv_spec import FullAttentionSpec, KVCacheGroup
 
+GROUP = KVCacheGroup(FullAttentionSpec(1, 4), (0,))
 BS = 8
 
 
@@ -18,8 +20,10 @@ def next_token(context: list[int]) -> int:
 
 
 def make(num_blocks=64, budget=32, max_seqs=8, max_len=256):
-    kv = KVCacheManager([KVCacheGroup(FullAttentionSpec(1, 4), (0,))], (num_blocks,), BS)
-    return Scheduler(SchedulerConfig(max_seqs, budget, max_len), kv), kv
+    kv = KVCacheManager(
+        CacheConfig([KVCacheGroup(FullAttentionSpec(1, 4), (0,))], BS, (num_blocks,))
+    )
+    return Scheduler(SchedulerConfig(max_seqs, budget, max_len), kv, StopPolicy()), kv
 
 
 class FakeRunner:
@@ -136,10 +140,10 @@ def test_abort_returns_blocks_and_is_reported_to_the_runner():
 
 
 def test_eos_stop_tokens_and_context_limit_finish_requests():
-    kv = KVCacheManager([KVCacheGroup(FullAttentionSpec(1, 4), (0,))], (64,), BS)
+    kv = KVCacheManager(CacheConfig([GROUP], BS, (64,)))
     prompt = [5, 6, 7]
     eos = expected_output(prompt, 3)[2]
-    sched = Scheduler(SchedulerConfig(8, 32, 12), kv, eos_token_ids=(eos,))
+    sched = Scheduler(SchedulerConfig(8, 32, 12), kv, StopPolicy(), eos_token_ids=(eos,))
     a = Request("a", prompt, greedy(10))
     b = Request("b", prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     c = Request("c", [9] * 8, SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))

@@ -9,7 +9,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from server.bench import BenchResult, RequestRecord
+from bench.loadtest import BenchResult, RequestRecord
 
 
 def save_plots(result: BenchResult, plot_dir: str | Path) -> list[Path]:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import random_prompt, save_tiny_deepseek_v3, save_tiny_gemma3
 
 from engine import LLM, SamplingParams
 from kernels import reference
+from tests.helpers import random_prompt, save_tiny_deepseek_v3, save_tiny_gemma3
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TINY_LLAMA, generate_with_logits, random_prompt, save_tiny_llama
 
 from engine import LLM
-from engine.kv_spec import FullAttentionSpec
+from models.kv_spec import FullAttentionSpec
+from tests.helpers import TINY_LLAMA, generate_with_logits, random_prompt, save_tiny_llama
 
 pytest.importorskip("transformers")
 

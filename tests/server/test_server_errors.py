@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from test_server import MAX_MODEL_LEN, real_server
 
 from engine.errors import QueueFullError
+from tests.server.test_server import MAX_MODEL_LEN, real_server
 
 MSG = [{"role": "user", "content": "Hi"}]
 CHAT = "/v1/chat/completions"

@@ -13,10 +13,9 @@ import weakref
 
 import pytest
 
-from engine.config import EngineArgs
-from server import tune
-from server.bench import SLO, BenchConfig, MetricsSeries, RequestRecord, summarize
-from server.tune import (
+from bench import tune
+from bench.loadtest import SLO, BenchConfig, MetricsSeries, RequestRecord, summarize
+from bench.tune import (
     PointMetrics,
     PointResult,
     Sweep,
@@ -29,6 +28,7 @@ from server.tune import (
     parse_value,
     sweep_points,
 )
+from engine.args import EngineArgs
 
 FIELDS = engine_fields()
 BASE = EngineArgs(model="some-model", max_num_batched_tokens=512)

@@ -1,6 +1,6 @@
 """KV-cache specs: the memory *format* of one group of layers, apart from the allocator.
 
-The allocator (``engine.kv_manager``) is generic; it asks a spec how many blocks a sequence of
+The allocator (the engine's KV manager) is generic; it asks a spec how many blocks a sequence of
 ``n`` tokens holds and how many bytes one token costs. Pure Python: no torch here.
 
 Per-layer cache tensors (allocated by the model runner, read by ``kernels``):
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from math import ceil
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
+DTYPES = ("float32", "bfloat16", "float16")  # what models and caches can be served in
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,3 @@ class KVCacheGroup:
     @property
     def bytes_per_token(self) -> int:
         return self.spec.bytes_per_token * len(self.layer_ids)
-
-    def bytes_per_block(self, block_size: int) -> int:
-        return self.bytes_per_token * block_size

@@ -6,13 +6,14 @@ import contextlib
 import math
 import sys
 from collections.abc import Iterator
+from importlib.metadata import EntryPoint
 from types import SimpleNamespace
 
 import httpx
 import pytest
-from helpers import serve_in_thread
 
-from engine.config import EngineArgs
+from engine.args import EngineArgs
+from tests.helpers import serve_in_thread
 
 SERVED_NAME = "smollm2"
 MAX_MODEL_LEN = 512
@@ -274,12 +275,13 @@ def test_models_health_and_tokenizer_endpoints(client, served):
 
 
 def test_serve_flags_build_engine_args():
-    from server.cli import build_parser, engine_args_from
+    from engine.args import from_cli_args
+    from server.cli import build_parser
 
     argv = ["serve", "--model", "m", "--max-model-len", "512", "--kv-cache-memory", "0.5"]
     argv += ["--attention-backend", "torch", "--seed", "3", "--served-model-name", "x"]
     ns = build_parser().parse_args(argv)
-    args = engine_args_from(ns)
+    args = from_cli_args(ns)
     assert args == EngineArgs(
         model="m", max_model_len=512, kv_cache_memory_gib=0.5, attention_backend="torch", seed=3
     )
@@ -299,9 +301,11 @@ def test_serve_rejects_two_kv_sizes_and_bad_engine_values(capsys):
 def test_pass_through_subcommands_get_their_own_argv(monkeypatch):
     import server.cli as cli
 
+    assert {"bench", "tune"} <= set(cli.client_commands())  # the bench package's entry points
     seen = []
     fake = SimpleNamespace(main=lambda argv: seen.append(argv) or 0)
     monkeypatch.setitem(sys.modules, "fake_bench", fake)
-    monkeypatch.setitem(cli.PASS_THROUGH, "bench", ("fake_bench:main", ""))
+    fake_ep = EntryPoint("bench", "fake_bench:main", "kvserve.commands")
+    monkeypatch.setattr(cli, "client_commands", lambda: {"bench": fake_ep})
     assert cli.main(["bench", "--num-prompts", "3", "--help"]) == 0
     assert seen == [["--num-prompts", "3", "--help"]]

@@ -1,6 +1,6 @@
 """Output tokens/s of the engine at 1 and 8 concurrent requests, next to transformers' generate.
 
-    python -m engine.bench [--model smollm2-135m-instruct] [--tokens 128] [--repeats 3]
+    python -m bench.engine_speed [--model smollm2-135m-instruct] [--tokens 128] [--repeats 3]
 
 Both run in this process on the same weights, with the same thread count; medians are quoted.
 """
@@ -14,6 +14,7 @@ import time
 import torch
 
 from engine import LLM, SamplingParams
+from engine.args import add_cli_args
 
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -57,12 +58,11 @@ def bench_transformers(model, prompts: list[list[int]], tokens: int, pad_id: int
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    add_cli_args(parser, ("model", "device"), {"model": "smollm2-135m-instruct"}, required=())
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--device", default="auto")
     parser.add_argument("--no-transformers", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -1,8 +1,9 @@
-"""Overflow policies: what happens when a sequence outgrows max_model_len, or the pool its blocks.
+"""Context overflow: what happens when prompt + generation reach max_model_len.
 
-Each policy is a small object with one decision method. The engine asks at admission, the
-scheduler asks when a running sequence fills the context or needs a block none is free for;
-they carry the decision out and count it. Pure Python.
+Everything about it lives here: the choices (``CONTEXT_POLICIES``, ``DEFAULT_POLICY``), a
+request's or the server's choice (``ContextOverflow``, the one validator), and the policies,
+small objects with one decision method. The engine asks at admission, the scheduler when a
+running sequence fills the context; they carry the decision out and count it. Pure Python.
 
 Context overflow (``ContextPolicy.decide``)::
 
@@ -23,15 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from engine.errors import RequestError
 
-if TYPE_CHECKING:
-    from engine.request import Request
-
 CONTEXT_POLICIES = ("error", "truncate", "stop", "shift", "sink")
-PREEMPTION_MODES = ("recompute", "swap")
+DEFAULT_POLICY = "error"  # as OpenAI: a request that cannot fit is refused
 
 # The first tokens draw attention out of proportion to their content (StreamingLLM's sinks);
 # keeping a few by default is what keeps a shifted or truncated sequence fluent.
@@ -51,7 +49,7 @@ class ContextOverflow:
     follows the kept ones) and ``sink`` (default: one block). None: the policy's default.
     """
 
-    policy: str = "error"
+    policy: str = DEFAULT_POLICY
     n_keep: int | None = None
     n_discard: int | None = None
 
@@ -114,6 +112,7 @@ class ContextState:
     block_size: int
     # Tokens after the first ``keep`` (a block multiple) the cache can drop now.
     discardable: Callable[[int], int] = _no_discard
+    can_rotate: bool = True  # whether the model can re-rotate its cached keys (shift, sink)
 
 
 class ContextPolicy:
@@ -208,6 +207,12 @@ class ShiftPolicy(ContextPolicy):
         return rest // 2
 
     def decide(self, s: ContextState) -> ContextDecision:
+        if s.admission and not s.can_rotate:
+            return Reject(
+                f"this model cannot re-rotate its cached keys; overflow policy {self.name!r} "
+                "is not available.",
+                code="invalid_overflow",
+            )
         if s.admission:
             too_long = _prompt_too_long(s)
             if too_long or s.max_tokens is None:
@@ -252,50 +257,3 @@ def context_policy(choice: ContextOverflow) -> ContextPolicy:
     if choice.policy == "shift":
         return ShiftPolicy(keep, choice.n_discard)
     return SinkPolicy(keep, choice.n_discard)
-
-
-# ---- pool overflow ----
-
-
-@dataclass(frozen=True)
-class Preemption:
-    """No free block for a running sequence: who gives its blocks back, and how.
-
-    The victim is the lowest-priority request (highest ``priority`` value), the latest arrived
-    among equals. ``swap`` keeps its cache in host memory while the swap pool has room, and
-    falls back to recomputing it otherwise.
-    """
-
-    mode: str = "recompute"
-
-    def __post_init__(self) -> None:
-        if self.mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption mode must be one of {PREEMPTION_MODES}: {self.mode!r}")
-
-    def decide(
-        self, running: list[Request], can_swap: Callable[[Request], bool]
-    ) -> tuple[Request, str]:
-        victim = max(running, key=lambda r: (r.priority, r.arrival_time))
-        if self.mode == "swap" and can_swap(victim):
-            return victim, "swap"
-        return victim, "recompute"
-
-
-@dataclass(frozen=True)
-class Admission:
-    """A bounded queue: a request beyond it is refused (429) rather than left waiting."""
-
-    max_queue_len: int | None = None
-    max_queued_tokens: int | None = None
-
-    def decide(self, num_waiting: int, waiting_tokens: int, new_tokens: int) -> str | None:
-        """None to admit, else the reason for refusing."""
-        if self.max_queue_len is not None and num_waiting >= self.max_queue_len:
-            return "queue_full"
-        if (
-            self.max_queued_tokens is not None
-            and num_waiting > 0
-            and waiting_tokens + new_tokens > self.max_queued_tokens
-        ):
-            return "queued_tokens"
-        return None

@@ -3,8 +3,9 @@
 import pytest
 
 from engine.block_pool import BlockPool
+from engine.config import CacheConfig
 from engine.kv_manager import KVCacheManager
-from engine.kv_spec import FullAttentionSpec, KVCacheGroup, MLASpec, SlidingWindowSpec
+from models.kv_spec import FullAttentionSpec, KVCacheGroup, MLASpec, SlidingWindowSpec
 
 
 def test_pool_allocates_distinct_blocks_and_takes_them_back():
@@ -47,7 +48,7 @@ def test_manager_is_all_or_nothing_and_ring_bounded():
         KVCacheGroup(SlidingWindowSpec(1, 8, window_size=32), (0, 1)),
         KVCacheGroup(FullAttentionSpec(1, 8), (2,)),
     ]
-    kv = KVCacheManager(groups, (10, 10), block_size=16)
+    kv = KVCacheManager(CacheConfig(groups, 16, (10, 10)))
     tables = kv.new_tables()
     with pytest.raises(MemoryError):
         kv.allocate(tables, 200)

@@ -6,13 +6,13 @@ import json
 
 import pytest
 import torch
-from helpers import TINY_DEEPSEEK_V3 as TINY
-from helpers import generate_with_logits, random_prompt, tiny_deepseek_v3
 
 from engine import LLM
-from engine.config import ModelConfig
-from engine.kv_spec import MLASpec
+from models.config import ModelConfig
 from models.deepseek_v3 import rope_frequencies, softmax_scale
+from models.kv_spec import MLASpec
+from tests.helpers import TINY_DEEPSEEK_V3 as TINY
+from tests.helpers import generate_with_logits, random_prompt, tiny_deepseek_v3
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,0 +1,191 @@
+"""Every engine setting, declared once: name, type, default and help.
+
+``EngineArgs`` is the one place a setting is added. Its fields carry their command-line
+description (``setting(...)``), so ``kvserve serve``, ``plan``, ``tune`` and the benchmarks
+derive their flags from it (``add_cli_args``) and read them back (``from_cli_args``); nothing
+lists the flags a second time. Values are checked here once, for flags and ``LLM(...)`` alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.context_overflow import CONTEXT_POLICIES, DEFAULT_POLICY, ContextOverflow
+from engine.preemption import PREEMPTION_MODES
+from kernels.backend import backend_names
+from models.kv_spec import DTYPES
+
+ENGINE = "engine"
+OVERFLOW = "overflow policies (a request may override the context one)"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How a setting appears on the command line."""
+
+    help: str
+    flag: str | None = None  # default: the field name with dashes
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    group: str = ENGINE
+    exclusive: str | None = None  # settings sharing this name are mutually exclusive flags
+    when_none: str | None = None  # what a None default means, for the help text
+
+
+def setting(default: Any = dataclasses.MISSING, help: str = "", **kw: Any) -> Any:
+    return field(default=default, metadata={"setting": Setting(help, **kw)})
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything a user can set; the server's flags map one to one onto these fields."""
+
+    model: str = setting(help="model folder, or an alias from `fetch`")
+    dtype: str | None = setting(
+        None, "weights and KV cache dtype", choices=DTYPES, when_none="float32 on CPU, "
+        "bfloat16 on CUDA"
+    )  # fmt: skip
+    device: str = setting("auto", "auto, cpu, cuda or cuda:N")
+    block_size: int = setting(16, "tokens per KV block (a power of two)")
+    num_kv_blocks: int | None = setting(
+        None, "KV blocks per pool (overrides --kv-cache-memory)", exclusive="kv_size",
+        when_none="from --kv-cache-memory",
+    )  # fmt: skip
+    kv_cache_memory_gib: float | None = setting(
+        None, "KV cache size in GiB", flag="--kv-cache-memory", metavar="GIB",
+        exclusive="kv_size", when_none="1 GiB on CPU, 90%% of free memory on CUDA",
+    )  # fmt: skip
+    max_model_len: int | None = setting(
+        None, "context limit in tokens", when_none="the model's trained context"
+    )
+    max_num_seqs: int = setting(64, "sequences running at once")
+    max_num_batched_tokens: int = setting(2048, "tokens per engine step")
+    attention_backend: str | None = setting(
+        None, "attention kernels", choices=backend_names(), when_none="by device"
+    )
+    seed: int = setting(0, "seed for requests that give none")
+    context_overflow: str = setting(
+        DEFAULT_POLICY,
+        "when prompt + generation reach --max-model-len: error (400), truncate the prompt, "
+        "stop (finish_reason length), shift the cache (llama.cpp), sink (StreamingLLM)",
+        choices=CONTEXT_POLICIES,
+        group=OVERFLOW,
+    )
+    context_n_keep: int | None = setting(
+        None, "tokens kept at the start", group=OVERFLOW, when_none="4"
+    )
+    context_n_discard: int | None = setting(
+        None, "tokens a shift discards", group=OVERFLOW, when_none="half the rest; sink: one block"
+    )
+    preemption_mode: str = setting(
+        "recompute",
+        "how a running request gives up its KV blocks when the pool runs out",
+        choices=PREEMPTION_MODES,
+        group=OVERFLOW,
+    )
+    swap_space_gib: float = setting(
+        4.0,
+        "host memory for swapped-out KV blocks (with --preemption-mode swap)",
+        flag="--swap-space",
+        metavar="GIB",
+        group=OVERFLOW,
+    )
+    max_queue_len: int | None = setting(
+        None, "waiting requests beyond which new ones get 429", group=OVERFLOW,
+        when_none="unbounded",
+    )  # fmt: skip
+    max_queued_tokens: int | None = setting(
+        None, "waiting prompt tokens beyond which new requests get 429", group=OVERFLOW,
+        when_none="unbounded",
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        checks = [
+            (_power_of_two(self.block_size), "block_size"),
+            (self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks"),
+            (self.kv_cache_memory_gib is None or self.kv_cache_memory_gib > 0, "kv_cache_memory"),
+            (self.max_model_len is None or self.max_model_len > 0, "max_model_len"),
+            (self.max_num_seqs > 0, "max_num_seqs"),
+            (self.max_num_batched_tokens > 0, "max_num_batched_tokens"),
+            (self.dtype is None or self.dtype in DTYPES, "dtype"),
+            (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device"),
+            (self.attention_backend in (None, *backend_names()), "attention_backend"),
+            (self.preemption_mode in PREEMPTION_MODES, "preemption_mode"),
+            (self.swap_space_gib >= 0, "swap_space_gib"),
+            (self.max_queue_len is None or self.max_queue_len > 0, "max_queue_len"),
+            (self.max_queued_tokens is None or self.max_queued_tokens > 0, "max_queued_tokens"),
+        ]
+        for ok, name in checks:
+            if not ok:
+                raise ValueError(f"invalid {name}: {getattr(self, name, None)!r}")
+        self.default_overflow()  # the one check of the three context settings
+
+    def default_overflow(self) -> ContextOverflow:
+        """The server's context-overflow choice, which a request's ``overflow`` replaces."""
+        return ContextOverflow(self.context_overflow, self.context_n_keep, self.context_n_discard)
+
+
+def _settings() -> dict[str, tuple[dataclasses.Field, Setting]]:
+    return {f.name: (f, f.metadata["setting"]) for f in dataclasses.fields(EngineArgs)}
+
+
+def add_cli_args(
+    parser: argparse.ArgumentParser,
+    names: Iterable[str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+    required: Iterable[str] = ("model",),
+) -> None:
+    """Add a flag per setting (all, or ``names``), in its group; ``defaults`` replaces the
+    declared default of a setting for this command, ``required`` makes flags mandatory."""
+    settings = _settings()
+    defaults, required = dict(defaults or {}), set(required)
+    groups: dict[str, Any] = {}
+    exclusive: dict[str, Any] = {}
+    for name in names or settings:
+        f, s = settings[name]
+        group = groups.get(s.group) or groups.setdefault(
+            s.group, parser.add_argument_group(s.group)
+        )
+        if s.exclusive and name not in required:
+            group = exclusive.get(s.exclusive) or exclusive.setdefault(
+                s.exclusive, group.add_mutually_exclusive_group()
+            )
+        default = defaults.get(name, None if f.default is dataclasses.MISSING else f.default)
+        group.add_argument(
+            s.flag or "--" + name.replace("_", "-"),
+            dest=name,
+            type=_flag_type(f.type),
+            default=default,
+            required=name in required,
+            choices=s.choices,
+            metavar=s.metavar,
+            help=_help(s, default, name in required),
+        )
+
+
+def _flag_type(annotation: str) -> type:
+    for kind in (int, float):
+        if kind.__name__ in annotation.split(" | "):
+            return kind
+    return str
+
+
+def _help(s: Setting, default: Any, required: bool) -> str:
+    if required:
+        return s.help
+    shown = s.when_none if default is None else default
+    return f"{s.help} (default: {shown})" if shown is not None else s.help
+
+
+def from_cli_args(ns: argparse.Namespace, **overrides: Any) -> EngineArgs:
+    """The EngineArgs of parsed flags: settings without a flag keep their defaults."""
+    values = {name: getattr(ns, name) for name in _settings() if hasattr(ns, name)}
+    return EngineArgs(**{**values, **overrides})

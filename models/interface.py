@@ -1,0 +1,53 @@
+"""What a model must provide to be served: the ``CausalLM`` protocol.
+
+To add an architecture: write a module with an ``nn.Module`` class that has these members
+(``models/llama.py`` is the shortest example), and name it in ``models.loader.ARCHITECTURES``
+under the ``architectures`` string of its config.json. Attention goes through
+``ForwardContext.attention(layer_id, q, k, v, scale)``, which reads and writes the paged cache;
+the model never sees block tables. Tests compare the new class with transformers' own on the
+same weights (tests/models/).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from kernels.paged import ForwardContext
+from kernels.rotary import RopeLayout
+from models.config import ModelConfig
+from models.kv_spec import KVCacheGroup
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    config: ModelConfig
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        """Build the layers with empty weights (in the default dtype and device)."""
+
+    @staticmethod
+    def kv_cache_groups(cfg: ModelConfig, dtype: str) -> list[KVCacheGroup]:
+        """The layers grouped by cache layout; a static method, so that capacity can be
+        planned from config.json alone, without building the model."""
+        ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fill the parameters from a checkpoint's (name, tensor) pairs."""
+
+    def cached_key_rope(self, layer_id: int) -> RopeLayout | None:
+        """How the keys a layer caches were rotated, so a context shift can turn them to new
+        positions; None when they cannot be (no rotary embedding): shift and sink refuse."""
+        ...
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """Token ids [T] at ``positions`` [T] -> final hidden states [T, hidden]."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states [n, hidden] -> logits [n, vocab]."""
+        ...
