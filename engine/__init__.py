@@ -11,7 +11,7 @@ from engine.sampling_params import SamplingParams
 
 
 def __getattr__(name: str):
-    # The model-loading parts import torch; keep `import engine` light for pure-Python users.
+    # The model-loading parts (weights, tokenizer) are imported on first use.
     if name == "LLM":
         from engine.llm import LLM
 

@@ -26,6 +26,7 @@ class AsyncEngine:
         self.engine = LLMEngine(args)
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
+        self.cache_config = self.engine.cache_config
         self.model_name = self.engine.model_config.name
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.args import EngineArgs, add_cli_args, from_cli_args
+from engine.capacity import capacity
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -85,11 +86,14 @@ def run_client_command(ep: EntryPoint, argv: list[str]) -> int:
 
 
 def log_startup(engine: AsyncEngine, served_model_name: str) -> None:
-    """The engine has logged its capacity table; say under which name it is served."""
+    """The engine has logged its capacity table; the name it is served as, and how many
+    full-length sequences fit at once (the fullest group decides), from that same table."""
+    rows = capacity(engine.cache_config, engine.max_model_len)
     log.info(
-        "model %s, served as %r, max_model_len %d",
+        "model %s, served as %r: %d sequences of max_model_len %d fit in the KV cache",
         engine.model_name,
         served_model_name,
+        min(r.max_seqs_at_full_len for r in rows),
         engine.max_model_len,
     )
 

@@ -3,7 +3,6 @@ many times in a fast test, and the real 270M checkpoint on a prompt three window
 
 from __future__ import annotations
 
-import dataclasses
 import textwrap
 from math import ceil
 from pathlib import Path
@@ -13,7 +12,6 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from kernels import reference
 from kernels.backend import TorchBackend
 from models.config import ModelConfig
 from models.gemma3 import Gemma3ForCausalLM, rope_parameters
@@ -127,12 +125,13 @@ def test_context_shift_rotates_each_layer_with_its_own_rope_base(tiny):
         torch.testing.assert_close(cache[0], moved, atol=1e-3, rtol=0)
 
 
-def write_once_per_slot(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
-    # The CPU scatter lets the last duplicate win, which happens to be right; a GPU scatter picks
-    # any, so tokens the ring overwrites within their own chunk must not be written at all.
-    written = slots[slots >= 0]
-    assert written.unique().numel() == written.numel(), "two tokens of a step share a slot"
-    reference.write_cache(cache, rows, slots)
+class WriteOncePerSlot(TorchBackend):
+    def write_cache(self, cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        # The CPU scatter lets the last duplicate win, which happens to be right; a GPU scatter
+        # picks any, so tokens the ring overwrites within their own chunk must not be written.
+        written = slots[slots >= 0]
+        assert written.unique().numel() == written.numel(), "two tokens of a step share a slot"
+        super().write_cache(cache, rows, slots)
 
 
 def test_window_edges_and_self_wrapping_chunks_match_transformers(tiny):
@@ -149,7 +148,7 @@ def test_window_edges_and_self_wrapping_chunks_match_transformers(tiny):
         max_num_batched_tokens=100,
     )
     runner = llm.engine.runner
-    runner.backend = dataclasses.replace(runner.backend, write_cache=write_once_per_slot)
+    runner.backend = WriteOncePerSlot()
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=5)
     outs = llm.generate(prompts, params)
     for ids, out in zip(prompts, outs):

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +17,7 @@ from server.cli import main as kvserve
 from tests.helpers import tiny_deepseek_v3_config
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main(argv: list[str]) -> int:
@@ -143,3 +148,52 @@ def test_plan_rejects_a_block_size_that_is_not_a_power_of_two(llama_dir):
     with pytest.raises(SystemExit) as e:
         main(["--model", str(llama_dir), "--kv-cache-memory", "1", "--block-size", "24"])
     assert e.value.code == 2
+
+
+def capacity_table(text: str) -> list[str]:
+    """The capacity table's header and group rows, as `format_capacity` writes them."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["group", "layers"])
+    rows = [lines[start]]
+    for line in lines[start + 1 :]:
+        if not line.split() or not line.split()[0].split("(")[0].endswith("Spec"):
+            break
+        rows.append(line)
+    return rows
+
+
+def serve_log_until_started(argv: list[str], timeout_s: float = 300) -> str:
+    """`kvserve serve` in a child process, its log up to the line saying it listens."""
+    cmd = [sys.executable, "-m", "server.cli", "serve", *argv, "--port", "0"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    timer = threading.Timer(timeout_s, proc.kill)
+    timer.start()
+    log = []
+    try:
+        for line in proc.stderr:
+            log.append(line)
+            if "Uvicorn running on" in line:
+                break
+    finally:
+        timer.cancel()
+        proc.terminate()
+        proc.wait(timeout=30)
+    return "".join(log)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["smollm2_dir", "gemma3_dir"])
+def test_serve_logs_the_capacity_that_plan_prints(model, request, capsys):
+    folder = request.getfixturevalue(model)
+    flags = ["--model", str(folder), "--kv-cache-memory", "0.1", "--max-model-len", "4096"]
+    flags += ["--dtype", "float32", "--block-size", "32"]
+    assert main(flags) == 0
+    planned = capacity_table(capsys.readouterr().out)
+    log = serve_log_until_started(flags)
+    assert "Uvicorn running on" in log, log[-2000:]
+    assert capacity_table(log) == planned
+    fit = min(int(row.split()[-1]) for row in planned[1:])
+    assert f": {fit} sequences of max_model_len 4096 fit in the KV cache" in log
+    groups = {"smollm2_dir": 1, "gemma3_dir": 2}[model]  # gemma3: sliding-window + full
+    assert len(planned) == 1 + groups
+    assert all(int(row.split()[3]) > 0 for row in planned[1:])  # blocks in every pool
