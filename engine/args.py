@@ -151,13 +151,13 @@ def add_cli_args(
     exclusive: dict[str, Any] = {}
     for name in names or settings:
         f, s = settings[name]
-        group = groups.get(s.group) or groups.setdefault(
-            s.group, parser.add_argument_group(s.group)
-        )
-        if s.exclusive and name not in required:
-            group = exclusive.get(s.exclusive) or exclusive.setdefault(
-                s.exclusive, group.add_mutually_exclusive_group()
-            )
+        if s.group not in groups:
+            groups[s.group] = parser.add_argument_group(s.group)
+        group = groups[s.group]
+        if s.exclusive and name not in required:  # argparse: exclusive flags are optional
+            if s.exclusive not in exclusive:
+                exclusive[s.exclusive] = group.add_mutually_exclusive_group()
+            group = exclusive[s.exclusive]
         default = defaults.get(name, None if f.default is dataclasses.MISSING else f.default)
         group.add_argument(
             s.flag or "--" + name.replace("_", "-"),

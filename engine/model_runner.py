@@ -112,6 +112,8 @@ class ModelRunner:
             tables_d = table_t.to(self.device)
             lens_d = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
             nd = out.num_decodes
+            # One plan for the step's decodes, shared by every layer of the group.
+            plan = self.backend.plan_decode(tables_d[:nd], lens_d[:nd], bs, window) if nd else None
             metas.append(
                 AttentionMetadata(
                     slot_mapping=torch.cat(slots).to(self.device),
@@ -121,9 +123,7 @@ class ModelRunner:
                     cu_seqlens_q=cu,
                     num_decodes=nd,
                     window=window,
-                    decode_plan=self.backend.plan_decode(tables_d[:nd], lens_d[:nd], bs, window)
-                    if nd
-                    else None,
+                    decode_plan=plan,
                 )
             )
         return metas
