@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from kernels import reference
 
-GQA_LAYOUTS = ((32, 8, 128, 128), (9, 3, 64, 64))  # query heads, KV heads, Dk, Dv
+# Query heads, KV heads, Dk, Dv: Llama-3-8B, SmolLM2-135M, Gemma 3 270M (global and window).
+GQA_LAYOUTS = ((32, 8, 128, 128), (9, 3, 64, 64), (4, 1, 256, 256))
 MLA_LAYOUT = (128, 1, 576, 512)
 BATCH_CONTEXTS = ((1, 1024), (1, 32768), (16, 4096), (64, 1024), (64, 4096))
 WINDOW_CASES = ((1, 32768), (16, 4096), (16, 32768))
@@ -73,7 +74,8 @@ def _itemsize(dtype: torch.dtype) -> int:
 def full_shapes() -> list[Shape]:
     shapes = [Shape(b, c, *layout) for layout in GQA_LAYOUTS for b, c in BATCH_CONTEXTS]
     shapes += [Shape(b, c, *MLA_LAYOUT, mla=True) for b, c in BATCH_CONTEXTS]
-    shapes += [Shape(b, c, *GQA_LAYOUTS[0], window=WINDOW) for b, c in WINDOW_CASES]
+    shapes += [Shape(b, c, *layout, window=WINDOW) for layout in (GQA_LAYOUTS[0], GQA_LAYOUTS[2])
+               for b, c in WINDOW_CASES]  # fmt: skip
     return shapes
 
 
@@ -140,58 +142,101 @@ def build_case(shape: Shape, block_size: int, dtype: torch.dtype, device: str) -
 
 
 class Timer:
-    """Median wall time of a callable: CUDA events with an L2 flush before each repeat."""
+    """Median time of one call. On CUDA: ``calls`` calls captured in one CUDA graph, each after
+    an L2 flush, against the same graph of flushes alone, replayed alternately (so clock
+    changes hit both); neither launch overhead nor a warm L2 counts."""
 
-    def __init__(self, device: str, repeats: int, warmup: int, flush: bool = True):
-        self.device, self.repeats, self.warmup = device, repeats, warmup
-        cuda = device.startswith("cuda")
-        self.flush_buffer = torch.empty(256 << 20, dtype=torch.uint8, device=device) if (
-            cuda and flush
-        ) else None  # fmt: skip
+    def __init__(self, device: str, repeats: int, warmup: int, flush: bool = True, calls=10):
+        self.device, self.repeats, self.warmup, self.calls = device, repeats, warmup, calls
+        self.flush_buffer = None
+        if device.startswith("cuda") and flush:
+            l2 = torch.cuda.get_device_properties(device).L2_cache_size
+            self.flush_buffer = torch.empty(2 * l2, dtype=torch.uint8, device=device)
 
     def __call__(self, fn: Callable[[], object]) -> float:
         """Seconds."""
-        for _ in range(self.warmup):
+        if not self.device.startswith("cuda"):
+            for _ in range(self.warmup):
+                fn()
+            return statistics.median(_wall(fn) for _ in range(self.repeats))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(max(1, self.warmup)):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graphs = [self._capture(fn), self._capture(None)]
+        for g in graphs:
+            g.replay()
+        times: list[list[float]] = [[], []]
+        for _ in range(self.repeats):
+            for g, t in zip(graphs, times):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
+                start.record()
+                g.replay()
+                end.record()
+                end.synchronize()
+                t.append(start.elapsed_time(end) / 1e3 / self.calls)
+        return max(1e-9, statistics.median(times[0]) - statistics.median(times[1]))
+
+    def eager(self, fn: Callable[[], object]) -> float:
+        """Seconds of one call timed alone with events: for calls of a gigabyte, where neither
+        launch overhead nor L2 matters."""
+        if not self.device.startswith("cuda"):
+            return self(fn)
+        for _ in range(max(1, self.warmup)):
             fn()
         times = []
         for _ in range(self.repeats):
-            if self.flush_buffer is not None:
-                self.flush_buffer.zero_()
-            times.append(self._once(fn))
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
         return statistics.median(times)
 
-    def _once(self, fn: Callable[[], object]) -> float:
-        if not self.device.startswith("cuda"):
-            start = time.perf_counter()
-            fn()
-            return time.perf_counter() - start
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3
+    def _capture(self, fn: Callable[[], object] | None) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(self.calls):
+                if self.flush_buffer is not None:
+                    self.flush_buffer.zero_()
+                if fn is not None:
+                    fn()
+        return graph
+
+
+def _wall(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def copy_bandwidth(timer: Timer, device: str, nbytes: int) -> float:
     """Bytes per second of a device-to-device copy, counting both the read and the write."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    seconds = timer(lambda: dst.copy_(src))
-    return 2 * nbytes / seconds
+    return 2 * nbytes / timer.eager(lambda: dst.copy_(src))
+
+
+def read_bandwidth(timer: Timer, device: str, nbytes: int) -> float:
+    """Bytes per second of a sum over random floats: a read-only roofline (decode only reads)."""
+    src = torch.randn(nbytes // 4, device=device)
+    return nbytes / timer.eager(lambda: src.sum())
 
 
 # Candidates: each takes a Case and returns a zero-argument callable giving [B, Hq, Dv], or
 # raises to say it cannot run the shape.
 
 
-def _kernel_under_test(case: Case, num_splits: int | None) -> Callable[[], torch.Tensor]:
+def _kernel_under_test(case: Case, num_splits: int | None, tile=None) -> Callable[[], torch.Tensor]:
     args = (case.q, case.k_cache, case.v_cache, case.tables, case.seq_lens, case.scale)
     if case.q.is_cuda:
         from kernels import triton_attention
 
         return lambda: triton_attention.decode_attention(
-            *args, case.shape.window, num_splits=num_splits
+            *args, case.shape.window, num_splits=num_splits, tile=tile
         )
     return lambda: reference.decode_attention(*args, case.shape.window)
 
@@ -250,6 +295,9 @@ class Row:
     us: float
     gbs: float
     copy_frac: float
+    read_frac: float
+    best_us: float | None  # --sweep: the fastest tile and split count tried
+    best: str
     sdpa_us: float | None
     flashinfer_us: float | None
     flash_attn_us: float | None
@@ -272,7 +320,10 @@ def _time_baseline(
     return seconds, "" if diff <= tol else f"differs from the kernel by {diff:.2g}"
 
 
-def bench_shape(case: Case, timer: Timer, copy_bps: float, num_splits: int | None) -> Row:
+def bench_shape(
+    case: Case, timer: Timer, roofs: tuple[float, float], num_splits: int | None, sweep: bool
+) -> Row:
+    copy_bps, read_bps = roofs
     kernel = _kernel_under_test(case, num_splits)
     expected = kernel()
     seconds = timer(kernel)
@@ -284,6 +335,9 @@ def bench_shape(case: Case, timer: Timer, copy_bps: float, num_splits: int | Non
         window = case.shape.window
         args = (case.q, case.k_cache, case.v_cache, case.tables, window, num_splits)
         splits = triton_attention.launch_plan(*args).num_splits
+    best_us, best = (None, "")
+    if sweep and case.q.is_cuda:
+        best_us, best = sweep_tiles(case, timer, expected, splits)
     notes = []
     baselines = {}
     for name, make in (("sdpa", _sdpa), ("flashinfer", _flashinfer), ("flash_attn", _flash_attn)):
@@ -297,6 +351,9 @@ def bench_shape(case: Case, timer: Timer, copy_bps: float, num_splits: int | Non
         us=seconds * 1e6,
         gbs=nbytes / seconds / 1e9,
         copy_frac=nbytes / seconds / copy_bps,
+        read_frac=nbytes / seconds / read_bps,
+        best_us=best_us,
+        best=best,
         sdpa_us=_us(baselines["sdpa"]),
         flashinfer_us=_us(baselines["flashinfer"]),
         flash_attn_us=_us(baselines["flash_attn"]),
@@ -304,25 +361,66 @@ def bench_shape(case: Case, timer: Timer, copy_bps: float, num_splits: int | Non
     )
 
 
+def tile_candidates(shape: Shape, dtype: torch.dtype) -> list:
+    from kernels.triton_attention import Tile, decode_tile
+
+    group = shape.num_heads // shape.num_kv_heads
+    default = decode_tile(dtype, shape.dk, shape.dv, group)
+    rows = sorted({default.rows} | {r for r in (16, 32, 64) if r < group})
+    block_ns = (16, 32) if shape.dk > 256 else (32, 64)
+    tiles = [Tile(r, n, w, st) for r in rows for n in block_ns for w in (4, 8) for st in (2, 3)]
+    return [default] + [t for t in tiles if t != default]
+
+
+def sweep_tiles(
+    case: Case, timer: Timer, expected: torch.Tensor, splits: int
+) -> tuple[float | None, str]:
+    """The fastest (tile, split count) among the candidates that agree with the default."""
+    tol = 2e-2 if expected.dtype in (torch.bfloat16, torch.float16) else 1e-4
+    results = []
+    for tile in tile_candidates(case.shape, case.k_cache.dtype):
+        fn = _kernel_under_test(case, splits, tile)
+        try:
+            ok = (fn().float() - expected.float()).abs().max().item() <= tol
+        except Exception:  # a tile the target cannot compile (shared memory) is skipped
+            continue
+        if ok:
+            results.append((timer(fn), tile, splits))
+    if not results:
+        return None, ""
+    _, tile, _ = min(results, key=lambda r: r[0])
+    for n in {max(1, splits // 2), splits * 2} - {splits}:
+        results.append((timer(_kernel_under_test(case, n, tile)), tile, n))
+    seconds, tile, n = min(results, key=lambda r: r[0])
+    return (
+        seconds * 1e6,
+        f"rows {tile.rows} n {tile.block_n} w{tile.num_warps} s{tile.num_stages} splits {n}",
+    )
+
+
 def _us(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e6
 
 
-def markdown(rows: list[Row], kernel: str, copy_gbs: float) -> str:
+def markdown(rows: list[Row], kernel: str, roofs: tuple[float, float]) -> str:
     head = (
-        f"| shape | K/V MiB | splits | {kernel} µs | GB/s | of copy BW | SDPA µs (dense) "
-        "| FlashInfer µs | flash-attn µs |"
+        f"| shape | K/V MiB | splits | {kernel} µs | GB/s | of copy BW | of read BW "
+        "| best µs (--sweep) | best tile | SDPA µs (dense) | FlashInfer µs | flash-attn µs |"
     )
-    lines = [head, "|" + "---|" * 9]
+    lines = [head, "|" + "---|" * 12]
     cell = lambda x, f="{:.1f}": "–" if x is None else f.format(x)  # noqa: E731
     for r in rows:
         lines.append(
             f"| {r.shape} | {r.kv_mib:.3g} | {cell(r.num_splits, '{}')} | {r.us:.1f} "
-            f"| {r.gbs:.1f} | {r.copy_frac:.0%} | {cell(r.sdpa_us)} | {cell(r.flashinfer_us)} "
+            f"| {r.gbs:.1f} | {r.copy_frac:.0%} | {r.read_frac:.0%} | {cell(r.best_us)} "
+            f"| {r.best or '–'} | {cell(r.sdpa_us)} | {cell(r.flashinfer_us)} "
             f"| {cell(r.flash_attn_us)} |"
         )
     notes = [f"- {r.shape}: {r.notes}" for r in rows if r.notes]
-    footer = [f"\nDevice copy bandwidth (read + write): {copy_gbs:.0f} GB/s."]
+    footer = [
+        f"\nDevice copy bandwidth (read + write): {roofs[0] / 1e9:.0f} GB/s; "
+        f"read-only (a sum): {roofs[1] / 1e9:.0f} GB/s."
+    ]
     return "\n".join(lines + footer + (["", "Baselines not run:", *notes] if notes else []))
 
 
@@ -349,6 +447,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-splits", type=int, help="force split-K (default: the heuristic)")
     parser.add_argument("--only", help="run shapes whose name contains this text")
     parser.add_argument("--no-flush", action="store_true", help="keep L2 warm between repeats")
+    parser.add_argument("--sweep", action="store_true", help="also try other tiles and splits")
     return parser.parse_args(argv)
 
 
@@ -361,31 +460,33 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     repeats, warmup = (3, 1) if args.smoke else (args.repeats, args.warmup)
     timer = Timer(device, repeats, warmup, flush=not args.no_flush)
-    copy_bps = copy_bandwidth(timer, device, (16 << 20) if args.smoke else (1 << 30))
+    nbytes = (16 << 20) if args.smoke else (1 << 30)
+    roofs = (copy_bandwidth(timer, device, nbytes), read_bandwidth(timer, device, nbytes))
     shapes = smoke_shapes() if args.smoke else full_shapes()
     shapes = [s for s in shapes if not args.only or args.only in s.name]
     rows = []
     for shape in shapes:
         case = build_case(shape, args.block_size, dtype, device)
-        rows.append(bench_shape(case, timer, copy_bps, args.num_splits))
+        rows.append(bench_shape(case, timer, roofs, args.num_splits, args.sweep))
         print(f"{shape.name}: {rows[-1].us:.1f} us", file=sys.stderr)
         del case
         if device == "cuda":
             torch.cuda.empty_cache()
     kernel = "triton" if device == "cuda" else "torch"
-    table = markdown(rows, kernel, copy_bps / 1e9)
+    table = markdown(rows, kernel, roofs)
     print(table)
     if args.out:
-        _write(args, rows, table, kernel, copy_bps, device)
+        _write(args, rows, table, kernel, roofs, device)
     return 0
 
 
-def _write(args, rows: list[Row], table: str, kernel: str, copy_bps: float, device: str) -> None:
+def _write(args, rows: list[Row], table: str, kernel: str, roofs: tuple, device: str) -> None:
     env = environment(device)
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     command = "python -m bench.kernel_speed " + " ".join(sys.argv[1:])
     meta = {**env, "date": date, "command": command, "kernel": kernel}
-    meta |= {"block_size": args.block_size, "dtype": args.dtype, "copy_gbs": copy_bps / 1e9}
+    meta |= {"block_size": args.block_size, "dtype": args.dtype, "copy_gbs": roofs[0] / 1e9}
+    meta["read_gbs"] = roofs[1] / 1e9
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {**meta, "rows": [asdict(r) for r in rows]}
     args.out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")

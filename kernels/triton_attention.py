@@ -109,14 +109,25 @@ def _attend(
     d1 = tl.arange(0, BLOCK_D1)
     d2 = D1 + tl.arange(0, BLOCK_D2)
     dv = tl.arange(0, BLOCK_DV)
+    # Paged: the block ids of the next tile are loaded one iteration ahead, so the K/V loads
+    # of a tile never wait on a table load issued in the same iteration.
+    next_block = tl.zeros([BLOCK_N], dtype=tl.int32)
+    if PAGED:
+        first = lo + tl.arange(0, BLOCK_N)
+        logical = first // BS
+        if RING:
+            logical = logical % ring_len
+        next_block = tl.load(table_ptr + logical, mask=first < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < hi
         if PAGED:
-            logical = pos // BS
+            block = next_block.to(tl.int64)
+            ahead = pos + BLOCK_N
+            logical = ahead // BS
             if RING:
                 logical = logical % ring_len
-            block = tl.load(table_ptr + logical, mask=valid, other=0).to(tl.int64)
+            next_block = tl.load(table_ptr + logical, mask=ahead < hi, other=0)
             k_off = block * stride_kn + (pos % BS) * stride_kb
             v_off = block * stride_vn + (pos % BS) * stride_vb
         else:
@@ -193,7 +204,7 @@ def _load_query(
     return q1, q2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ring_len", "num_splits", "stride_tb"])
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -207,6 +218,7 @@ def _decode_kernel(
     window,
     ring_len,
     num_heads,
+    num_splits,
     stride_qb,
     stride_qh,
     stride_qd,
@@ -224,7 +236,6 @@ def _decode_kernel(
     stride_od,
     GROUP: tl.constexpr,
     HEAD_TILES: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BS: tl.constexpr,
     WINDOWED: tl.constexpr,
     SHARED_V: tl.constexpr,
@@ -256,7 +267,7 @@ def _decode_kernel(
     lo = 0
     if WINDOWED:
         lo = tl.maximum(seq_len - window, 0)
-    per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     split_lo = lo + split * per_split
     split_hi = tl.minimum(split_lo + per_split, seq_len)
 
@@ -277,28 +288,28 @@ def _decode_kernel(
     dv = tl.arange(0, BLOCK_DV)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     store_mask = head_ok[:, None] & (dv < DV)[None, :]
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         o_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + head[:, None] * stride_oh
         tl.store(
             o_ptrs + dv[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=store_mask
         )
     else:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
-        flat = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
+        flat = (seq.to(tl.int64) * num_heads + head) * num_splits + split
         tl.store(part_lse_ptr + flat, lse, mask=head_ok)
         tl.store(part_out_ptr + flat[:, None] * DV + dv[None, :], out, mask=store_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
     num_heads,
+    num_splits,
     stride_ob,
     stride_oh,
     stride_od,
-    NUM_SPLITS: tl.constexpr,
     DV: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_DV: tl.constexpr,
@@ -307,11 +318,11 @@ def _merge_kernel(
     head = tl.program_id(1)
     split = tl.arange(0, BLOCK_S)
     dv = tl.arange(0, BLOCK_DV)
-    part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
-    lse = tl.load(part_lse_ptr + part, mask=split < NUM_SPLITS, other=float("-inf"))
+    part = (seq.to(tl.int64) * num_heads + head) * num_splits + split
+    lse = tl.load(part_lse_ptr + part, mask=split < num_splits, other=float("-inf"))
     m = tl.max(lse, 0)
     weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    o_mask = (split < NUM_SPLITS)[:, None] & (dv < DV)[None, :]
+    o_mask = (split < num_splits)[:, None] & (dv < DV)[None, :]
     o = tl.load(part_out_ptr + part[:, None] * DV + dv[None, :], mask=o_mask, other=0.0)
     total = tl.sum(weight, 0)
     out = tl.sum(weight[:, None] * o, 0) / tl.where(total == 0.0, 1.0, total)
@@ -472,49 +483,65 @@ def _interpreted() -> bool:
     return not isinstance(_decode_kernel, triton.runtime.JITFunction)
 
 
-def _common_meta(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> dict:
-    d1, d2 = _split_head_dim(q.shape[-1])
-    block_dv = _pow2(v_cache.shape[-1])
-    fp32 = k_cache.dtype == torch.float32
-    upcast = not fp32 and _interpreted()
-    return dict(
-        D1=d1,
-        D2=d2,
-        DV=v_cache.shape[-1],
-        BLOCK_D1=_pow2(d1),
-        BLOCK_D2=_pow2(d2),
-        BLOCK_DV=block_dv,
-        BLOCK_N=64 if _pow2(d1) + (_pow2(d2) if d2 else 0) <= 256 else 32,
-        # fp32 caches are checked against fp32 references: no tf32. Under the interpreter bf16
-        # dots run on fp32 copies (it multiplies bf16 bit patterns: triton-lang/triton#11584).
-        PRECISION="ieee" if fp32 or upcast else "tf32",
-        UPCAST=upcast,
-        num_warps=4 if block_dv <= 128 else 8,
-    )
+@dataclass(frozen=True)
+class Tile:
+    """One program's work: query rows (heads x tokens), keys per iteration, warps, stages."""
+
+    rows: int
+    block_n: int
+    num_warps: int
+    num_stages: int = 2
 
 
-def _rows_budget(block_dv: int) -> int:
-    """Query rows per program, so the fp32 accumulator stays near 8K values."""
-    return max(16, min(64, 8192 // block_dv))
+def _dims(dk: int, dv: int) -> dict:
+    d1, d2 = _split_head_dim(dk)
+    return dict(D1=d1, D2=d2, DV=dv, BLOCK_D1=_pow2(d1), BLOCK_D2=_pow2(d2), BLOCK_DV=_pow2(dv))
 
 
-def choose_num_splits(
-    batch: int, programs_per_seq: int, max_context: int, device: torch.device
-) -> int:
-    """Split the context when the grid alone would leave SMs idle and each part stays long.
+def decode_tile(dtype: torch.dtype, dk: int, dv: int, group: int) -> Tile:
+    """Default decode tile, from ``python -m bench.kernel_speed --sweep`` on an H100 (bf16;
+    bench/results/). Wide keys (MLA's 576) take 64 heads per program, so each latent row is
+    read once for 64 heads, on 8 warps; fp32 dots run on FMA units, so fp32 tiles are smaller."""
+    rows = min(_pow2(group), 64)
+    if dtype == torch.float32:
+        return Tile(min(rows, 32), 16 if _pow2(dk) > 128 else 32, 4 if _pow2(dk) <= 128 else 8)
+    if _pow2(dk) > 256:
+        return Tile(rows, 32, 8, 3)
+    return Tile(rows, 64 if _pow2(dk) <= 128 else 32, 4, 2)
 
-    ``max_context`` is an upper bound from the table width (no device sync to read seq_lens).
-    On the interpreter one split is cheapest: there is no parallelism to win.
-    """
-    if device.type != "cuda":
-        return 1
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    programs = batch * programs_per_seq
-    if programs >= sms:
-        return 1
-    wanted = triton.cdiv(2 * sms, programs)
-    longest = max(1, max_context // 256)
-    return max(1, min(wanted, longest, 64))
+
+def prefill_tile(dtype: torch.dtype, dk: int, dv: int) -> Tile:
+    """Default prefill tile; sized so the tiles fit shared memory and registers do not spill
+    (tests/kernels/test_compile.py checks every variant for sm_80 and sm_90)."""
+    width = max(_pow2(dk), _pow2(dv))
+    if dtype == torch.float32:
+        return Tile(32, 16, 4 if width <= 64 else 8)
+    if width <= 64:
+        return Tile(64, 64, 4)
+    return Tile(64 if width <= 128 else 32, 32, 8)
+
+
+def _precision(dtype: torch.dtype) -> dict:
+    # fp32 caches are checked against fp32 references: no tf32. Under the interpreter bf16
+    # dots run on fp32 copies (it multiplies bf16 bit patterns: triton-lang/triton#11584).
+    upcast = dtype != torch.float32 and _interpreted()
+    return dict(PRECISION="ieee" if dtype == torch.float32 or upcast else "tf32", UPCAST=upcast)
+
+
+# Decode programs that stay resident on one SM at once (registers allow 4-8 of the default
+# tiles): the split plan aims to fill them, not just to give each SM one program.
+PROGRAMS_PER_SM = 4
+MAX_SPLITS = 128
+MIN_SPLIT_TOKENS = 128
+
+
+def choose_num_splits(programs: int, max_context: int, sms: int) -> int:
+    """Context splits so ``programs`` x splits fills ``sms`` x PROGRAMS_PER_SM slots, each
+    split keeping at least MIN_SPLIT_TOKENS keys (below that the merge costs more than it
+    wins). ``max_context`` is an upper bound from the table width: no device sync."""
+    wanted = triton.cdiv(sms * PROGRAMS_PER_SM, programs)
+    longest = max(1, max_context // MIN_SPLIT_TOKENS)
+    return max(1, min(wanted, longest, MAX_SPLITS))
 
 
 def write_cache(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -535,9 +562,9 @@ def write_cache(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Ten
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """Launch shape of one decode call: query heads per program, head tiles, context splits."""
+    """Launch shape of one decode call: its tile, head tiles per KV head, context splits."""
 
-    block_g: int
+    tile: Tile
     head_tiles: int
     num_splits: int
 
@@ -549,19 +576,22 @@ def launch_plan(
     block_tables: torch.Tensor,
     window: int = 0,
     num_splits: int | None = None,
+    tile: Tile | None = None,
 ) -> LaunchPlan:
     """How ``decode_attention`` will launch for these inputs (the benchmark reports it)."""
     num_kv_heads = k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
-    block_g = min(_pow2(group), _rows_budget(_pow2(v_cache.shape[-1])))
-    head_tiles = triton.cdiv(group, block_g)
+    tile = tile or decode_tile(k_cache.dtype, q.shape[-1], v_cache.shape[-1], group)
+    head_tiles = triton.cdiv(group, tile.rows)
     if num_splits is None:
-        max_context = block_tables.shape[1] * k_cache.shape[1]
-        if window > 0:
-            max_context = min(max_context, window)
-        programs = num_kv_heads * head_tiles
-        num_splits = choose_num_splits(q.shape[0], programs, max_context, q.device)
-    return LaunchPlan(block_g, head_tiles, num_splits)
+        num_splits = 1
+        if q.is_cuda and not _interpreted():  # the interpreter has no parallelism to win
+            max_context = block_tables.shape[1] * k_cache.shape[1]
+            if window > 0:
+                max_context = min(max_context, window)
+            programs = q.shape[0] * num_kv_heads * head_tiles
+            num_splits = choose_num_splits(programs, max_context, _sm_count(q.device.index or 0))
+    return LaunchPlan(tile, head_tiles, num_splits)
 
 
 def decode_attention(
@@ -574,22 +604,22 @@ def decode_attention(
     window: int = 0,
     *,
     num_splits: int | None = None,
+    tile: Tile | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (already written to the cache) -> [B, Hq, Dv].
 
-    Grid: (B, KV heads x head tiles, splits); see ``launch_plan``. ``num_splits`` overrides the
-    heuristic (tests force split-K on and off with it).
+    Grid: (B, KV heads x head tiles, splits); see ``launch_plan``. ``num_splits`` and ``tile``
+    override the defaults (tests force split-K on and off; the benchmark sweeps tiles).
     """
-    batch, num_heads, _ = q.shape
+    batch, num_heads, dk = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     dv = v_cache.shape[-1]
     out = torch.empty(batch, num_heads, dv, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
     block_tables = _rows_contiguous(block_tables)
-    meta = _common_meta(q, k_cache, v_cache)
-    plan = launch_plan(q, k_cache, v_cache, block_tables, window, num_splits)
-    num_splits = plan.num_splits
+    plan = launch_plan(q, k_cache, v_cache, block_tables, window, num_splits, tile)
+    num_splits, tile = plan.num_splits, plan.tile
     if num_splits > 1:
         part_out = torch.empty(
             batch, num_heads, num_splits, dv, dtype=torch.float32, device=q.device
@@ -597,19 +627,21 @@ def decode_attention(
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out
+    dims = _dims(dk, dv)
     grid = (batch, num_kv_heads * plan.head_tiles, num_splits)
     _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
-        scale * _LOG2E, window, block_tables.shape[1], num_heads,
+        scale * _LOG2E, window, block_tables.shape[1], num_heads, num_splits,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
-        GROUP=num_heads // num_kv_heads, HEAD_TILES=plan.head_tiles, NUM_SPLITS=num_splits,
-        BS=block_size, WINDOWED=window > 0, BLOCK_G=plan.block_g,
-        SHARED_V=_v_is_k_prefix(k_cache, v_cache, meta["D1"]), **meta,
+        GROUP=num_heads // num_kv_heads, HEAD_TILES=plan.head_tiles, BS=block_size,
+        WINDOWED=window > 0, SHARED_V=_v_is_k_prefix(k_cache, v_cache, dims["D1"]),
+        BLOCK_G=tile.rows, BLOCK_N=tile.block_n, **dims, **_precision(k_cache.dtype),
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _merge_kernel[(batch, num_heads)](
-            part_out, part_lse, out, num_heads, *out.stride(),
-            NUM_SPLITS=num_splits, DV=dv, BLOCK_S=_pow2(num_splits, 1), BLOCK_DV=meta["BLOCK_DV"],
+            part_out, part_lse, out, num_heads, num_splits, *out.stride(),
+            DV=dv, BLOCK_S=MAX_SPLITS, BLOCK_DV=dims["BLOCK_DV"],
         )  # fmt: skip
     return out
 
@@ -625,6 +657,8 @@ def prefill_attention(
     prefix_lens: torch.Tensor,
     scale: float,
     window: int = 0,
+    *,
+    tile: Tile | None = None,
 ) -> torch.Tensor:
     """Chunks of new tokens attending causally to themselves and to their cached prefix.
 
@@ -634,17 +668,17 @@ def prefill_attention(
     """
     assert k.dtype == k_cache.dtype and v.dtype == v_cache.dtype, "new K/V in the cache dtype"
     block_tables = _rows_contiguous(block_tables)
-    num_tokens, num_heads, _ = q.shape
+    num_tokens, num_heads, dk = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty(num_tokens, num_heads, v.shape[-1], dtype=q.dtype, device=q.device)
     batch = prefix_lens.shape[0]
     if num_tokens == 0 or batch == 0:
         return out
     group = num_heads // num_kv_heads
-    meta = _common_meta(q, k_cache, v_cache)
-    rows = _rows_budget(meta["BLOCK_DV"])
-    block_g = min(triton.next_power_of_2(group), rows)
-    block_q = rows // block_g
+    dims = _dims(dk, v_cache.shape[-1])
+    tile = tile or prefill_tile(k_cache.dtype, dk, v_cache.shape[-1])
+    block_g = min(triton.next_power_of_2(group), tile.rows)
+    block_q = tile.rows // block_g
     head_tiles = triton.cdiv(group, block_g)
     grid = (num_tokens // block_q + batch, num_kv_heads * head_tiles)
     _prefill_kernel[grid](
@@ -653,8 +687,9 @@ def prefill_attention(
         *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0), *out.stride(),
         GROUP=group, HEAD_TILES=head_tiles, BS=block_size, WINDOWED=window > 0,
-        SHARED_V=_v_is_k_prefix(k_cache, v_cache, meta["D1"]),
-        SHARED_V_NEW=_v_is_k_prefix(k, v, meta["D1"]),
-        BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_SEQS=_pow2(batch, 1), **meta,
+        SHARED_V=_v_is_k_prefix(k_cache, v_cache, dims["D1"]),
+        SHARED_V_NEW=_v_is_k_prefix(k, v, dims["D1"]),
+        BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_SEQS=_pow2(batch, 1), BLOCK_N=tile.block_n,
+        **dims, **_precision(k_cache.dtype), num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     return out
