@@ -71,6 +71,9 @@ class EngineArgs:
     attention_backend: str | None = setting(
         None, "attention kernels", choices=backend_names(), when_none="by device"
     )
+    enforce_eager: bool = setting(
+        False, "run every step eagerly: no CUDA graphs for decode steps (CUDA only)"
+    )
     seed: int = setting(0, "seed for requests that give none")
     context_overflow: str = setting(
         DEFAULT_POLICY,
@@ -159,15 +162,16 @@ def add_cli_args(
                 exclusive[s.exclusive] = group.add_mutually_exclusive_group()
             group = exclusive[s.exclusive]
         default = defaults.get(name, None if f.default is dataclasses.MISSING else f.default)
+        kind = dict(type=_flag_type(f.type), choices=s.choices, metavar=s.metavar)
+        if f.type == "bool":  # --name / --no-name
+            kind = dict(action=argparse.BooleanOptionalAction)
         group.add_argument(
             s.flag or "--" + name.replace("_", "-"),
             dest=name,
-            type=_flag_type(f.type),
             default=default,
             required=name in required,
-            choices=s.choices,
-            metavar=s.metavar,
             help=_help(s, default, name in required),
+            **kind,
         )
 
 

@@ -60,6 +60,15 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_config, dtype, self.device, backend, args.seed, eos)
         self.cache_config = self._cache_config(self.runner.groups)
         self.runner.allocate_kv_cache(self.cache_config)
+        eager = "--enforce-eager" if args.enforce_eager else self.runner.graphs_unavailable()
+        if eager is None:
+            start = time.perf_counter()
+            self.runner.capture_decode_graphs(self.max_model_len, args.max_num_seqs)
+            sizes = self.runner.graphs.sizes
+            log.info("captured decode graphs for batch sizes %s in %.1f s", sizes,
+                     time.perf_counter() - start)  # fmt: skip
+        else:
+            log.info("decode steps run eagerly: %s", eager)
         self.kv = KVCacheManager(self.cache_config)
         sched_config = SchedulerConfig(
             args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len, args.preemption_mode

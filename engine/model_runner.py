@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import CacheConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler
 from engine.scheduler import CacheShift, SchedulerOutput
@@ -46,6 +47,24 @@ class ModelRunner:
         # How each layer's cached keys were rotated; None: the model cannot shift its cache.
         rope = [self.model.cached_key_rope(i) for i in range(model_config.num_layers)]
         self.key_rope: list[RopeLayout] | None = None if None in rope else rope
+        self.graphs: DecodeGraphs | None = None
+
+    def graphs_unavailable(self) -> str | None:
+        """Why decode steps cannot run from CUDA graphs here, or None when they can."""
+        if self.device.type != "cuda":
+            return "not on CUDA"
+        if not self.backend.capturable:
+            return f"the {self.backend.name} attention backend is not capturable"
+        if not self.model.cuda_graphs:
+            return f"{type(self.model).__name__} is not capturable"
+        return None
+
+    def capture_decode_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
+        self.graphs = DecodeGraphs(
+            self.model, self.backend, self.groups, self.kv_caches, self.layer_to_group,
+            self.cache_config.block_size, max_model_len, max_num_seqs, self.device,
+        )  # fmt: skip
+        self.graphs.capture()
 
     def allocate_kv_cache(self, config: CacheConfig) -> None:
         """The device pools, and the host swap pool (pinned when the device is a GPU)."""
@@ -128,14 +147,9 @@ class ModelRunner:
             )
         return metas
 
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprob | None]]:
-        self.sampler.forget(out.finished_ids)
-        if out.has_cache_ops:
-            self.apply_cache_ops(out)
+    def _forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        """The step run eagerly: hidden states of all new tokens, and the rows to sample."""
         sched = out.scheduled
-        if not sched:
-            return {}
         lens = [len(s.token_ids) for s in sched]
         cu_list = [0]
         for n in lens:
@@ -149,7 +163,23 @@ class ModelRunner:
             self.backend, self._metadata(out, cu), self.kv_caches, self.layer_to_group
         )
         hidden = self.model(input_ids, positions.to(self.device), ctx)
-        rows = [cu_list[i + 1] - 1 for i, s in enumerate(sched) if s.sample]
+        return hidden, [cu_list[i + 1] - 1 for i, s in enumerate(sched) if s.sample]
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprob | None]]:
+        self.sampler.forget(out.finished_ids)
+        if out.has_cache_ops:
+            self.apply_cache_ops(out)
+        sched = out.scheduled
+        if not sched:
+            return {}
+        tables = [s.block_tables for s in sched]
+        if self.graphs and out.num_decodes == len(sched) and self.graphs.fits(len(sched), tables):
+            ids = [s.token_ids[0] for s in sched]
+            hidden = self.graphs.run(ids, [s.start_pos for s in sched], tables)
+            rows = [i for i, s in enumerate(sched) if s.sample]
+        else:
+            hidden, rows = self._forward(out)
         if not rows:
             return {}
         chosen = [s for s in sched if s.sample]

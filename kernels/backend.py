@@ -19,6 +19,9 @@ from kernels.rotary import RopeLayout, rotate_reference
 
 class AttentionBackend(ABC):
     name: ClassVar[str]
+    # Whether a decode step's launches depend only on shapes (not on data, and without host
+    # syncs), so that they can be captured once in a CUDA graph and replayed.
+    capturable: ClassVar[bool] = False
 
     @abstractmethod
     def write_cache(self, cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
@@ -102,6 +105,7 @@ class TorchBackend(AttentionBackend):
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    capturable = True
 
     def __init__(self) -> None:
         from kernels import rotary, triton_attention

@@ -245,6 +245,9 @@ def _check_supported(cfg: ModelConfig) -> None:
 
 
 class DeepseekV3ForCausalLM(nn.Module):
+    # The MoE routes on the host (ids.unique().tolist()): not capturable.
+    cuda_graphs = False
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         _check_supported(cfg)

@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from models.gguf_import import convert_gguf
-
 MARKER = ".kvserve-complete"
 
 
@@ -137,6 +135,8 @@ def fetch(alias: str, home: Path | None = None, progress: bool = True) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=final.parent, prefix=f".{alias}-") as tmp:
         staging = Path(tmp) / alias
+        from models.gguf_import import convert_gguf  # gguf is needed only to convert
+
         convert_gguf(gguf, staging, progress=progress, extras=source.extras)
         marker = {"alias": alias, "packages": list(source.packages), "gguf": source.gguf_file}
         (staging / MARKER).write_text(json.dumps(marker, indent=2) + "\n")

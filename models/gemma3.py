@@ -115,6 +115,8 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(nn.Module):
+    cuda_graphs = True
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         if cfg.get("attn_logit_softcapping") is not None:
@@ -164,9 +166,9 @@ class Gemma3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
         x = self.model.embed_tokens(input_ids)
-        # Rounded through fp32 to the model dtype, as the reference does (bf16: sqrt(640) -> 25.25).
-        scale = torch.tensor(self.embed_scale, dtype=torch.float32, device=x.device)
-        x = x * scale.to(x.dtype)
+        # Rounded through fp32 to the model dtype, as the reference does (bf16: sqrt(640) -> 25.25);
+        # a host scalar, so that the forward builds no device tensor (CUDA graphs).
+        x = x * torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype).item()
         rope = {
             kind: rope_cos_sin(positions, getattr(self, f"{kind}_inv_freq"), x.dtype)
             for kind in (FULL, SLIDING)

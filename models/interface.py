@@ -24,6 +24,9 @@ from models.kv_spec import KVCacheGroup
 @runtime_checkable
 class CausalLM(Protocol):
     config: ModelConfig
+    # Whether ``forward`` can be captured in a CUDA graph: no host syncs (``.item()``,
+    # ``.tolist()``), no tensors built from host data, no shapes that depend on values.
+    cuda_graphs: bool
 
     def __init__(self, cfg: ModelConfig) -> None:
         """Build the layers with empty weights (in the default dtype and device)."""

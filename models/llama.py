@@ -68,6 +68,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    cuda_graphs = True
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
