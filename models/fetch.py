@@ -23,6 +23,13 @@ from typing import Any
 MARKER = ".kvserve-complete"
 
 
+def convert_gguf(*args: Any, **kwargs: Any) -> Path:
+    """``models.gguf_import.convert_gguf``, imported on first use: gguf is needed only here."""
+    from models.gguf_import import convert_gguf as convert
+
+    return convert(*args, **kwargs)
+
+
 @dataclass(frozen=True)
 class ModelSource:
     """Where an alias's GGUF comes from and what the file cannot say about the model."""
@@ -135,8 +142,6 @@ def fetch(alias: str, home: Path | None = None, progress: bool = True) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=final.parent, prefix=f".{alias}-") as tmp:
         staging = Path(tmp) / alias
-        from models.gguf_import import convert_gguf  # gguf is needed only to convert
-
         convert_gguf(gguf, staging, progress=progress, extras=source.extras)
         marker = {"alias": alias, "packages": list(source.packages), "gguf": source.gguf_file}
         (staging / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
