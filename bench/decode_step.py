@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from bench.kernel_speed import Timer, read_bandwidth
 from engine import LLM, SamplingParams
 
 SHAPES = {
@@ -99,21 +100,6 @@ def launches_per_step(llm: LLM, prompts: list[list[int]], tokens: int) -> float:
     return (_launches(llm, prompts, tokens) - _launches(llm, prompts, 1)) / (tokens - 1)
 
 
-def read_bandwidth() -> float:
-    x = torch.randn(1 << 28, device="cuda")
-    for _ in range(3):
-        x.sum()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        x.sum()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return x.numel() * 4 / statistics.median(times)
-
-
 def roofline_ms(llm: LLM, batch: int, context: int, bandwidth: float) -> float:
     weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
     kv = 0
@@ -181,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
-    bandwidth = read_bandwidth()
+    bandwidth = read_bandwidth(Timer("cuda", repeats=20, warmup=3), "cuda", 1 << 30)
     rows, same = [], {}
     with tempfile.TemporaryDirectory() as folder:
         for name in args.models:

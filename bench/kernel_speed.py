@@ -365,7 +365,7 @@ def tile_candidates(shape: Shape, dtype: torch.dtype) -> list:
     from kernels.triton_attention import Tile, decode_tile
 
     group = shape.num_heads // shape.num_kv_heads
-    default = decode_tile(dtype, shape.dk, shape.dv, group)
+    default = decode_tile(dtype, shape.dk, group)
     rows = sorted({default.rows} | {r for r in (16, 32, 64) if r < group})
     block_ns = (16, 32) if shape.dk > 256 else (32, 64)
     tiles = [Tile(r, n, w, st) for r in rows for n in block_ns for w in (4, 8) for st in (2, 3)]

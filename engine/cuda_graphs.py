@@ -127,21 +127,19 @@ class DecodeGraphs:
         """One decode step -> hidden states [n, hidden] (a view of the graph's output)."""
         n = len(token_ids)
         batch = next(b for b in self.sizes if b >= n)
-        self.ids_host[:n] = torch.tensor(token_ids)
-        self.pos_host[:n] = torch.tensor(positions)
+        self.ids_host.numpy()[:n] = token_ids
+        self.pos_host.numpy()[:n] = positions
         bs = self.block_size
         for g, (group, buf) in enumerate(zip(self.groups, self.buffers)):
-            host = buf.host
-            host["slots"][n:batch] = -1
-            host["seq_lens"][n:batch] = 1
-            window = group.spec.window
-            width = self.widths[g]
+            slots, lens, rows = (buf.host[k].numpy() for k in ("slots", "seq_lens", "tables"))
+            ring = self.widths[g] if group.spec.window else 0
             for i, (pos, table) in enumerate(zip(positions, tables)):
                 row = table[g]
-                host["tables"][i, : len(row)] = torch.tensor(row, dtype=torch.int32)
-                logical = pos // bs % width if window else pos // bs
-                host["slots"][i] = row[logical] * bs + pos % bs
-                host["seq_lens"][i] = pos + 1
+                rows[i, : len(row)] = row
+                logical = pos // bs % ring if ring else pos // bs
+                slots[i] = row[logical] * bs + pos % bs
+            lens[:n] = [p + 1 for p in positions]
+            slots[n:batch], lens[n:batch] = -1, 1
             buf.upload()
         self.ids.copy_(self.ids_host, non_blocking=True)
         self.pos.copy_(self.pos_host, non_blocking=True)
