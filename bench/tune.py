@@ -280,6 +280,7 @@ def serve_engine(args: EngineArgs) -> Iterator[tuple[Any, str, str]]:
 
     from engine.async_engine import AsyncEngine
     from server.app import build_app
+    from server.args import ServerArgs
 
     engine = AsyncEngine(args)
     handle = EngineHandle(engine)
@@ -287,7 +288,11 @@ def serve_engine(args: EngineArgs) -> Iterator[tuple[Any, str, str]]:
     try:
         sock.bind(("127.0.0.1", 0))
         name = engine.model_name
-        server = uvicorn.Server(uvicorn.Config(build_app(handle, name), log_level="warning"))
+        server = uvicorn.Server(
+            uvicorn.Config(
+                build_app(handle, ServerArgs(served_model_name=name)), log_level="warning"
+            )
+        )
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         deadline = time.monotonic() + 30

@@ -101,6 +101,12 @@ class EngineArgs:
         metavar="GIB",
         group=OVERFLOW,
     )
+    max_overflow_tokens: int = setting(
+        16384,
+        "tokens a shift or sink may discard from one request over its life (about how far it "
+        "generates past the context); then it finishes with 'length'",
+        group=OVERFLOW,
+    )
     max_queue_len: int | None = setting(
         None, "waiting requests beyond which new ones get 429", group=OVERFLOW,
         when_none="unbounded",
@@ -123,6 +129,7 @@ class EngineArgs:
             (self.attention_backend in (None, *backend_names()), "attention_backend"),
             (self.preemption_mode in PREEMPTION_MODES, "preemption_mode"),
             (self.swap_space_gib >= 0, "swap_space_gib"),
+            (self.max_overflow_tokens > 0, "max_overflow_tokens"),
             (self.max_queue_len is None or self.max_queue_len > 0, "max_queue_len"),
             (self.max_queued_tokens is None or self.max_queued_tokens > 0, "max_queued_tokens"),
         ]
@@ -136,8 +143,8 @@ class EngineArgs:
         return ContextOverflow(self.context_overflow, self.context_n_keep, self.context_n_discard)
 
 
-def _settings() -> dict[str, tuple[dataclasses.Field, Setting]]:
-    return {f.name: (f, f.metadata["setting"]) for f in dataclasses.fields(EngineArgs)}
+def _settings(cls: type = EngineArgs) -> dict[str, tuple[dataclasses.Field, Setting]]:
+    return {f.name: (f, f.metadata["setting"]) for f in dataclasses.fields(cls)}
 
 
 def add_cli_args(
@@ -145,10 +152,12 @@ def add_cli_args(
     names: Iterable[str] | None = None,
     defaults: Mapping[str, Any] | None = None,
     required: Iterable[str] = ("model",),
+    cls: type = EngineArgs,
 ) -> None:
-    """Add a flag per setting (all, or ``names``), in its group; ``defaults`` replaces the
-    declared default of a setting for this command, ``required`` makes flags mandatory."""
-    settings = _settings()
+    """Add a flag per setting of ``cls`` (all, or ``names``), in its group; ``defaults``
+    replaces the declared default of a setting for this command, ``required`` makes flags
+    mandatory. Another frozen dataclass of ``setting`` fields (the server's) works the same."""
+    settings = _settings(cls)
     defaults, required = dict(defaults or {}), set(required)
     groups: dict[str, Any] = {}
     exclusive: dict[str, Any] = {}
@@ -165,6 +174,9 @@ def add_cli_args(
         kind = dict(type=_flag_type(f.type), choices=s.choices, metavar=s.metavar)
         if f.type == "bool":  # --name / --no-name
             kind = dict(action=argparse.BooleanOptionalAction)
+        elif f.type.startswith("tuple["):  # repeatable: --name A --name B
+            kind = dict(action="append", type=_flag_type(f.type), metavar=s.metavar)
+            default = list(default)  # argparse appends to a copy
         group.add_argument(
             s.flag or "--" + name.replace("_", "-"),
             dest=name,
@@ -185,11 +197,13 @@ def _flag_type(annotation: str) -> type:
 def _help(s: Setting, default: Any, required: bool) -> str:
     if required:
         return s.help
-    shown = s.when_none if default is None else default
+    shown = s.when_none if default is None or default == [] else default
     return f"{s.help} (default: {shown})" if shown is not None else s.help
 
 
-def from_cli_args(ns: argparse.Namespace, **overrides: Any) -> EngineArgs:
-    """The EngineArgs of parsed flags: settings without a flag keep their defaults."""
-    values = {name: getattr(ns, name) for name in _settings() if hasattr(ns, name)}
-    return EngineArgs(**{**values, **overrides})
+def from_cli_args(ns: argparse.Namespace, cls: type = EngineArgs, **overrides: Any) -> Any:
+    """The ``cls`` (EngineArgs) of parsed flags: settings without a flag keep their defaults;
+    a repeatable flag's list becomes a tuple."""
+    values = {name: getattr(ns, name) for name in _settings(cls) if hasattr(ns, name)}
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    return cls(**{**values, **overrides})

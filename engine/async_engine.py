@@ -2,7 +2,8 @@
 
 Hand-off is a thread-safe queue in and ``loop.call_soon_threadsafe`` out. A consumer that
 stops iterating (client gone, task cancelled) aborts its request; the engine thread frees its
-blocks before the next step.
+blocks before the next step. The engine thread beats a heartbeat after every command batch and
+step, so a caller can tell a busy engine from a stuck or dead one (``health``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
@@ -19,6 +22,19 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("kvserve.engine")
+
+# An idle engine thread still beats this often, so its heartbeat is never stale when work comes.
+IDLE_BEAT_S = 1.0
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One sequence to generate: what ``submit`` takes, several at a time."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
 
 
 class AsyncEngine:
@@ -31,11 +47,30 @@ class AsyncEngine:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = threading.Event()
+        self.last_beat = time.monotonic()  # the engine thread's last sign of progress
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.engine.validate(prompt_token_ids, params)
+
+    def check_admission(self, num_requests: int, num_tokens: int = 0) -> None:
+        """Raises QueueFullError when the queue would refuse this many requests now."""
+        self.engine.check_admission(num_requests, num_tokens)
+
+    def submit(self, requests: list[EngineRequest]) -> list[AsyncIterator[RequestOutput]]:
+        """Queues ``requests`` as one group, admitted or refused (429) as a whole; returns the
+        output deltas of each. Call from the event loop; leaving a stream early aborts it."""
+        loop = asyncio.get_running_loop()
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids) or any(rid in self._streams for rid in ids):
+            raise ValueError(f"request ids {ids} are already in use")
+        for r in requests:
+            self.validate(r.prompt_token_ids, r.params)
+        for rid in ids:
+            self._streams[rid] = (loop, asyncio.Queue())
+        self._commands.put(("add", requests))
+        return [self._stream(rid) for rid in ids]
 
     async def generate(
         self,
@@ -45,17 +80,17 @@ class AsyncEngine:
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Output deltas of one request; leaving the loop early aborts it."""
-        self.validate(prompt_token_ids, params)
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._commands.put(("add", request_id, prompt_token_ids, params, priority))
+        (stream,) = self.submit([EngineRequest(request_id, prompt_token_ids, params, priority)])
+        async for out in stream:
+            yield out
+
+    async def _stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
-                item = await stream.get()
+                item = await self._streams[request_id][1].get()
                 if isinstance(item, BaseException):
+                    finished = True  # the engine refused it, or ``fail`` ended it
                     raise item
                 finished = item.finished
                 yield item
@@ -67,6 +102,25 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    def fail(self, request_id: str, error: BaseException) -> None:
+        """Ends a request's stream with ``error`` now, from the event loop, whatever the engine
+        thread is doing (even stuck in a step), and aborts it in the engine."""
+        entry = self._streams.get(request_id)
+        if entry is not None:
+            entry[1].put_nowait(error)
+        self.abort(request_id)
+
+    def health(self, stall_timeout: float) -> str | None:
+        """None when healthy; else why not: the engine thread died, or work is pending and it
+        has not completed a step (or a batch of commands) for ``stall_timeout`` seconds."""
+        if not self._thread.is_alive():
+            return "the engine thread has stopped"
+        pending = self.engine.has_unfinished or not self._commands.empty()
+        stalled = time.monotonic() - self.last_beat
+        if pending and stalled > stall_timeout:
+            return f"the engine has made no progress for {stalled:.0f} s with work pending"
+        return None
+
     def stats(self) -> dict:
         return self.engine.stats()
 
@@ -75,10 +129,11 @@ class AsyncEngine:
         """The engine's Prometheus registry, for /metrics."""
         return self.engine.metrics.registry
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops the engine thread, waiting up to ``timeout`` seconds for its current step."""
         self._stopping.set()
         self._commands.put(("wake",))
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=timeout)
 
     # -- engine thread ------------------------------------------------------------------------
 
@@ -91,25 +146,34 @@ class AsyncEngine:
     def _handle(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, rid, prompt, params, priority = command
+            requests: list[EngineRequest] = command[1]
             try:
-                self.engine.add_request(rid, prompt, params, priority)
-            except Exception as e:  # reported to its caller, never fatal to the loop
-                self._deliver(rid, e)
+                self.engine.add_requests(
+                    [(r.request_id, r.prompt_token_ids, r.params, r.priority) for r in requests]
+                )
+            except Exception as e:  # reported to its callers, never fatal to the loop
+                for r in requests:
+                    self._deliver(r.request_id, e)
         elif kind == "abort":
             out = self.engine.abort(command[1])
             if out is not None:
                 self._deliver(command[1], out)
 
+    def _take_commands(self) -> None:
+        """Handles the commands queued so far (not those arriving meanwhile, which wait for
+        the next step); when idle, waits for one, beating every ``IDLE_BEAT_S``."""
+        if not self.engine.has_unfinished:
+            try:
+                self._handle(self._commands.get(timeout=IDLE_BEAT_S))
+            except queue.Empty:
+                return
+        for _ in range(self._commands.qsize()):
+            self._handle(self._commands.get_nowait())
+
     def _run(self) -> None:
         while not self._stopping.is_set():
-            try:
-                block = not self.engine.has_unfinished
-                while True:
-                    self._handle(self._commands.get(block=block))
-                    block = False
-            except queue.Empty:
-                pass
+            self._take_commands()
+            self.last_beat = time.monotonic()
             if self._stopping.is_set():
                 break
             try:
@@ -117,5 +181,7 @@ class AsyncEngine:
             except Exception:  # keep serving; the step's requests were failed by the engine
                 log.exception("engine loop error")
                 continue
+            finally:
+                self.last_beat = time.monotonic()
             for out in outputs:
                 self._deliver(out.request_id, out)

@@ -17,6 +17,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     preemption_mode: str = "recompute"  # or "swap"
+    max_overflow_tokens: int | None = None  # tokens shift/sink may discard from one request
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,8 @@ class ContextState:
     # Tokens after the first ``keep`` (a block multiple) the cache can drop now.
     discardable: Callable[[int], int] = _no_discard
     can_rotate: bool = True  # whether the model can re-rotate its cached keys (shift, sink)
+    dropped: int = 0  # tokens the sequence has discarded so far
+    max_dropped: int | None = None  # how many it may discard over its life (None: no bound)
 
 
 class ContextPolicy:
@@ -188,7 +190,9 @@ class TruncatePolicy(ContextPolicy):
 class ShiftPolicy(ContextPolicy):
     """llama.cpp's context shift: keep ``n_keep``, drop ``n_discard`` after them, go on.
 
-    Without max_tokens there is no end to go on to: the request stops at the limit.
+    Without max_tokens there is no end to go on to: the request stops at the limit; nor does
+    it go on once its shifts would discard more than ``max_dropped`` tokens in all
+    (``--max-overflow-tokens``), so no request generates forever.
     """
 
     name: ClassVar[str] = "shift"
@@ -229,6 +233,8 @@ class ShiftPolicy(ContextPolicy):
         if s.max_tokens is None:
             return Finish()
         keep, count = self.plan(s)
+        if s.max_dropped is not None and s.dropped + count > s.max_dropped:
+            return Finish()
         return Drop(keep, count) if count >= s.block_size else Finish()
 
 

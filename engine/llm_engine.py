@@ -71,7 +71,11 @@ class LLMEngine:
             log.info("decode steps run eagerly: %s", eager)
         self.kv = KVCacheManager(self.cache_config)
         sched_config = SchedulerConfig(
-            args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len, args.preemption_mode
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+            self.max_model_len,
+            args.preemption_mode,
+            args.max_overflow_tokens,
         )
         self.default_overflow = args.default_overflow()
         self.scheduler = Scheduler(
@@ -144,6 +148,9 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise RequestError(f"Token ids must be in [0, {vocab}).", param="prompt")
+        if any(t >= vocab for t in params.stop_token_ids):
+            message = f"stop_token_ids must be in [0, {vocab}), got {list(params.stop_token_ids)}."
+            raise RequestError(message, param="stop_token_ids")
         policy = self.context_policy(params)
         decision = self._context_decision(policy, n, params)
         if isinstance(decision, Reject):
@@ -182,6 +189,40 @@ class LLMEngine:
         )
         return policy.decide(state)
 
+    def check_admission(self, num_requests: int, num_tokens: int = 0) -> None:
+        """Raises unless the queue takes ``num_requests`` more requests (of ``num_tokens``
+        prompt tokens) now: 429, or 400 for a group larger than the whole queue. Reads only
+        counters, so another thread may ask before it does any work for the requests."""
+        limit = self.admission.max_queue_len
+        if limit is not None and num_requests > limit:
+            message = f"The request starts {num_requests} sequences; the queue holds {limit}."
+            raise RequestError(message, param="n", code="too_many_sequences")
+        waiting = len(self.scheduler.waiting)
+        refused = self.admission.decide(
+            waiting, self.scheduler.num_waiting_tokens, num_requests, num_tokens
+        )
+        if refused is not None:
+            self.metrics.rejected.labels(refused).inc()
+            raise QueueFullError(
+                f"The server is at capacity ({waiting} requests waiting); retry later.",
+                retry_after=min(60.0, max(1.0, self._queue_wait)),
+            )
+
+    def add_requests(self, requests: list[tuple[str, list[int], SamplingParams, int]]) -> None:
+        """Queues (request_id, prompt_token_ids, params, priority) as one group: all of them,
+        or none (raising why)."""
+        decided = [self._admit(prompt, params) for _, prompt, params, _ in requests]
+        self.check_admission(len(requests), sum(len(r[1]) for r in requests))
+        for (rid, prompt, params, priority), (policy, drop) in zip(requests, decided):
+            req = Request(rid, list(prompt), params, priority=priority)
+            req.context_policy = policy
+            if drop is not None:
+                req.drop_tokens(drop.start, drop.count)
+                self.metrics.context_overflows.labels(policy.name).inc()
+            self.scheduler.add_request(req)
+            self._detokenizers[rid] = IncrementalDetokenizer(self.tokenizer, params)
+        self.record_gauges()
+
     def add_request(
         self,
         request_id: str,
@@ -189,24 +230,7 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
     ) -> None:
-        policy, drop = self._admit(prompt_token_ids, params)
-        refused = self.admission.decide(
-            len(self.scheduler.waiting), self.scheduler.num_waiting_tokens, len(prompt_token_ids)
-        )
-        if refused is not None:
-            self.metrics.rejected.labels(refused).inc()
-            raise QueueFullError(
-                f"The server is at capacity ({len(self.scheduler.waiting)} requests waiting); "
-                "retry later.",
-                retry_after=min(60.0, max(1.0, self._queue_wait)),
-            )
-        req = Request(request_id, list(prompt_token_ids), params, priority=priority)
-        req.context_policy = policy
-        if drop is not None:
-            req.drop_tokens(drop.start, drop.count)
-            self.metrics.context_overflows.labels(policy.name).inc()
-        self.scheduler.add_request(req)
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params)
+        self.add_requests([(request_id, prompt_token_ids, params, priority)])
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.abort(request_id)
@@ -214,6 +238,7 @@ class LLMEngine:
             return None
         self._detokenizers.pop(request_id, None)
         self._finished(req)
+        self.record_gauges()
         return RequestOutput(
             request_id,
             req.prompt_token_ids,
@@ -235,23 +260,37 @@ class LLMEngine:
             return []
         try:
             sampled = self.runner.execute(out)
-        except Exception:
+        except Exception as e:
             log.exception("engine step failed; failing its %d requests", len(out.scheduled))
-            return self._fail([s.request_id for s in out.scheduled])
-        got = self.scheduler.update(out, {rid: tok for rid, (tok, _) in sampled.items()})
-        outputs = [self._output(req, sampled[req.request_id]) for req in got]
+            reqs = [self.scheduler.requests.get(s.request_id) for s in out.scheduled]
+            return self._fail([r for r in reqs if r is not None], _describe("the step", e))
+        failed = {rid: e for rid, e in sampled.items() if isinstance(e, Exception)}
+        outputs = self._fail(
+            [self.scheduler.requests[rid] for rid in failed],
+            *(_describe("sampling", e) for e in failed.values()),
+        )
+        got = self.scheduler.update(
+            out, {rid: s[0] for rid, s in sampled.items() if rid not in failed}
+        )
+        for req in got:
+            try:
+                outputs.append(self._output(req, sampled[req.request_id]))
+            except Exception as e:  # this request's post-processing alone
+                log.exception("post-processing failed for request %s", req.request_id)
+                outputs += self._fail([req], _describe("post-processing", e))
         self._record_step()
         return outputs
 
-    def _record_step(self) -> None:
+    def record_gauges(self) -> None:
+        """The running/waiting/swapped gauges and KV usage, as they are now."""
         sched = self.scheduler
-        self.metrics.step(
-            len(sched.running),
-            len(sched.waiting),
-            len(sched.swapped),
-            self.kv.usage(),
-            sched.drain_events(),
+        self.metrics.gauges(
+            len(sched.running), len(sched.waiting), len(sched.swapped), self.kv.usage()
         )
+
+    def _record_step(self) -> None:
+        self.record_gauges()
+        self.metrics.events(self.scheduler.drain_events())
 
     def _finished(self, req: Request) -> None:
         now = time.monotonic()
@@ -282,20 +321,18 @@ class LLMEngine:
         )
         return RequestOutput(req.request_id, req.prompt_token_ids, [completion], req.finished)
 
-    def _fail(self, request_ids: list[str]) -> list[RequestOutput]:
+    def _fail(self, reqs: list[Request], *errors: str) -> list[RequestOutput]:
+        """Ends ``reqs`` with finish_reason "error" and the message ``errors[i]`` (or the one
+        message for all); each gets its final output even if it had just finished."""
         outs = []
-        for rid in request_ids:
-            req = self.scheduler.requests.get(rid)
-            if req is None:
-                continue
-            self.scheduler.finish(req, "error")
-            self._detokenizers.pop(rid, None)
-            self._finished(req)
-            outs.append(
-                RequestOutput(
-                    rid, req.prompt_token_ids, [CompletionOutput(0, finish_reason="error")], True
-                )
-            )
+        for i, req in enumerate(reqs):
+            if not req.finished:
+                self.scheduler.finish(req, "error")
+            if self._detokenizers.pop(req.request_id, None) is not None:
+                self._finished(req)
+            error = errors[i] if len(errors) > 1 else errors[0]
+            out = CompletionOutput(0, finish_reason="error", error=error)
+            outs.append(RequestOutput(req.request_id, req.prompt_token_ids, [out], True))
         return outs
 
     def stats(self) -> dict:
@@ -310,3 +347,7 @@ class LLMEngine:
             "kv_usage": self.kv.usage(),
             "num_preemptions": self.scheduler.num_preemptions,
         }
+
+
+def _describe(stage: str, error: BaseException) -> str:
+    return f"{stage} failed for this request: {type(error).__name__}: {error}"

@@ -1,8 +1,9 @@
 """Prometheus metrics of one engine, in its own registry (vLLM's names under ``kvserve:``).
 
-The engine thread updates them: gauges once per step, counters and histograms as requests
-advance. The HTTP side only reads (``generate_latest(metrics.registry)``); prometheus-client's
-metric objects are safe to share between the two threads.
+The engine thread updates them: gauges at every step and whenever requests are added or
+aborted, counters and histograms as requests advance. The HTTP side only reads
+(``generate_latest(metrics.registry)``); prometheus-client's metric objects are safe to share
+between the two threads.
 """
 
 from __future__ import annotations
@@ -109,14 +110,15 @@ class EngineMetrics:
             }
         )
 
-    def step(
-        self, running: int, waiting: int, swapped: int, usage: list[float], events: SchedulerEvents
-    ) -> None:
+    def gauges(self, running: int, waiting: int, swapped: int, usage: list[float]) -> None:
         self.running.set(running)
         self.waiting.set(waiting)
         self.swapped.set(swapped)
         for gi, u in enumerate(usage):
             self.kv_usage.labels(str(gi)).set(u)
+
+    def events(self, events: SchedulerEvents) -> None:
+        """What the scheduler counted since the last step."""
         for mode, n in events.preemptions.items():
             self.preemptions.labels(mode).inc(n)
         for policy, n in events.context_overflows.items():

@@ -20,6 +20,7 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop string or token id that ended it
+    error: str | None = None  # why, when finish_reason is "error"
 
     @property
     def finished(self) -> bool:

@@ -45,9 +45,11 @@ class Admission:
     max_queue_len: int | None = None
     max_queued_tokens: int | None = None
 
-    def decide(self, num_waiting: int, waiting_tokens: int, new_tokens: int) -> str | None:
-        """None to admit, else the reason for refusing."""
-        if self.max_queue_len is not None and num_waiting >= self.max_queue_len:
+    def decide(
+        self, num_waiting: int, waiting_tokens: int, new_requests: int, new_tokens: int
+    ) -> str | None:
+        """None to admit ``new_requests`` (a group, all or none), else the reason for refusing."""
+        if self.max_queue_len is not None and num_waiting + new_requests > self.max_queue_len:
             return "queue_full"
         if (
             self.max_queued_tokens is not None

@@ -24,7 +24,7 @@ class Sampler:
             return self.generator
         gen = self.request_generators.get(request_id)
         if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+            gen = torch.Generator(device=self.device).manual_seed(params.seed % 2**64)
             self.request_generators[request_id] = gen
         return gen
 
@@ -35,17 +35,21 @@ class Sampler:
         params: list[SamplingParams],
         prompt_ids: list[list[int]],
         output_ids: list[list[int]],
-    ) -> list[tuple[int, TokenLogprob | None]]:
-        """logits [n, V] for n requests -> (token id, logprob record or None) per request."""
+    ) -> list[tuple[int, TokenLogprob | None] | Exception]:
+        """logits [n, V] for n requests -> (token id, logprob record or None) per request, or
+        the exception sampling raised for that request alone (the others are unaffected)."""
         logits = logits.float()
         if all(p.greedy and p.logprobs is None and not _has_penalty(p) for p in params):
             if all(p.min_tokens == 0 for p in params):
                 return [(t, None) for t in logits.argmax(dim=-1).tolist()]
         results = []
         for i, p in enumerate(params):
-            row = self._process(logits[i], p, prompt_ids[i], output_ids[i])
-            token = self._choose(row, p, self._generator(request_ids[i], p))
-            results.append((token, _logprob(row, token, p.logprobs)))
+            try:
+                row = self._process(logits[i], p, prompt_ids[i], output_ids[i])
+                token = self._choose(row, p, self._generator(request_ids[i], p))
+                results.append((token, _logprob(row, token, p.logprobs)))
+            except Exception as e:
+                results.append(e)
         return results
 
     def _process(

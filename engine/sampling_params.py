@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.context_overflow import ContextOverflow
 from engine.errors import RequestError
+
+# Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing logits by it would
+# overflow them.
+GREEDY_BELOW = 1e-5
+# repetition_penalty divides or multiplies a logit: within these, fp32 logits stay finite.
+REPETITION_PENALTY = (0.01, 2.0)
+INT64 = (-(2**63), 2**63 - 1)
 
 
 @dataclass(frozen=True)
@@ -34,7 +42,11 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        floats = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty")  # fmt: skip
+        seed_ok = self.seed is None or INT64[0] <= self.seed <= INT64[1]
         checks = [
+            *((math.isfinite(getattr(self, f)), f, "must be a finite number") for f in floats),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
             (self.temperature >= 0, "temperature", "must be non-negative"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
@@ -42,7 +54,18 @@ class SamplingParams:
             (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
-            (self.repetition_penalty > 0, "repetition_penalty", "must be positive"),
+            (
+                REPETITION_PENALTY[0] <= self.repetition_penalty <= REPETITION_PENALTY[1],
+                "repetition_penalty",
+                f"must be in [{REPETITION_PENALTY[0]}, {REPETITION_PENALTY[1]}]",
+            ),
+            (seed_ok, "seed", "must be a 64-bit signed integer"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                "must not exceed max_tokens",
+            ),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
             (self.min_tokens >= 0, "min_tokens", "must be non-negative"),
             (all(s for s in self.stop), "stop", "must not contain empty strings"),
@@ -54,4 +77,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW

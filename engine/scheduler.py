@@ -108,6 +108,7 @@ class Scheduler:
         self.preemption = Preemption(config.preemption_mode)
         self.default_context_policy = default_context_policy  # for requests without their own
         self.waiting: deque[Request] = deque()
+        self.num_waiting_tokens = 0  # prompt tokens of the waiting requests, kept as they move
         self.swapped: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -123,7 +124,7 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         req.block_tables = self.kv.new_tables()
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self._wait(req)
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
@@ -140,7 +141,7 @@ class Scheduler:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING:
-            self.waiting.remove(req)
+            self._unwait(req)
         elif req.status == RequestStatus.SWAPPED:
             self.kv.free_host(req.host_tables)
             self.swapped.remove(req)
@@ -156,9 +157,14 @@ class Scheduler:
     def live_requests(self) -> list[Request]:
         return list(self.requests.values())
 
-    @property
-    def num_waiting_tokens(self) -> int:
-        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+    def _wait(self, req: Request, front: bool = False) -> None:
+        # A waiting request has computed nothing: all its tokens are to come.
+        (self.waiting.appendleft if front else self.waiting.append)(req)
+        self.num_waiting_tokens += req.num_tokens
+
+    def _unwait(self, req: Request) -> None:
+        self.waiting.remove(req)
+        self.num_waiting_tokens -= req.num_tokens
 
     def drain_events(self) -> SchedulerEvents:
         events, self.events = self.events, SchedulerEvents()
@@ -242,7 +248,7 @@ class Scheduler:
         else:
             if not self.kv.can_allocate(req.block_tables, need):
                 return False
-            self.waiting.remove(req)
+            self._unwait(req)
         self.kv.allocate(req.block_tables, need)
         req.status = RequestStatus.RUNNING
         if req.first_scheduled_time is None:
@@ -287,7 +293,7 @@ class Scheduler:
             self.kv.free(victim.block_tables)
             victim.num_computed_tokens = 0
             victim.status = RequestStatus.WAITING
-            self.waiting.appendleft(victim)
+            self._wait(victim, front=True)
         return victim, was_scheduled
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -335,6 +341,8 @@ class Scheduler:
             discardable=lambda keep: self.kv.max_discard(
                 req.block_tables, req.num_computed_tokens, keep
             ),
+            dropped=req.num_dropped_tokens,
+            max_dropped=self.config.max_overflow_tokens,
         )
         decision = policy.decide(state)
         self.events.context_overflows[policy.name] += 1

@@ -139,7 +139,17 @@ class Tokenizer:
         return bool(self._chat_template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Raises ValueError for text that is not valid Unicode (a lone surrogate). Releases
+        the GIL while it works (``encode`` holds it; ``encode_batch`` does not), so a long text
+        encoded in a worker thread never pauses the threads around it."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"the text is not valid Unicode: {e.reason} at character {e.start}"
+            ) from None
+        (encoding,) = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
+        return encoding.ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

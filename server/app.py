@@ -17,9 +17,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.async_engine import EngineRequest
 from engine.errors import QueueFullError, RequestError
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
+from server.args import ServerArgs
+from server.guard import Guard
 from server.protocol import (
     MIN_LOGPROB,
     AssistantMessage,
@@ -69,20 +72,28 @@ class ModelNotFoundError(RequestError):
         )
 
 
+class ShuttingDownError(RequestError):
+    """The server stopped a request it could not finish within its drain deadline."""
+
+    status = 503
+    type = "server_error"
+
+    def __init__(self):
+        super().__init__(
+            "The server is shutting down and could not finish this request in time.",
+            code="shutting_down",
+        )
+
+
+class EngineFailedError(Exception):
+    """The engine failed one choice; its message is the engine's."""
+
+
 class ClientGoneError(Exception):
     """The client closed the connection before its answer was ready."""
 
 
 # ---- one generation: n engine requests merged into one stream of choices ----
-
-
-@dataclass
-class SubRequest:
-    index: int  # the choice index in the response
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int = 0
 
 
 @dataclass
@@ -95,6 +106,7 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None
 
     def add(self, delta: CompletionOutput) -> None:
         self.text += delta.text
@@ -103,6 +115,7 @@ class ChoiceState:
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.stop_reason = delta.stop_reason
+            self.error = getattr(delta, "error", None)
 
 
 async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
@@ -142,18 +155,17 @@ async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int
 
 
 class Generation:
-    """The engine requests behind one HTTP request, and the choices they build."""
+    """The engine requests behind one HTTP request, and the choices they build (choice i is
+    request i). While it runs it is a member of ``active``."""
 
-    def __init__(self, engine: AsyncEngine, subs: list[SubRequest]):
+    def __init__(self, engine: AsyncEngine, requests: list[EngineRequest], active: set):
         self.engine = engine
-        self.subs = subs
-        self.choices = {sub.index: ChoiceState(sub.index) for sub in subs}
-        streams = [
-            engine.generate(sub.prompt_token_ids, sub.params, sub.request_id, sub.priority)
-            for sub in subs
-        ]
-        self._stream = merge_streams(streams)
+        self.requests = requests
+        self.choices = {i: ChoiceState(i) for i in range(len(requests))}
+        self._stream = merge_streams(engine.submit(requests))
         self._first: tuple[int, RequestOutput] | None = None
+        self._active = active
+        active.add(self)
 
     async def start(self) -> None:
         """Waits for the first output, so that a refused request fails before any byte is sent."""
@@ -162,6 +174,7 @@ class Generation:
         except StopAsyncIteration:
             pass
         except BaseException:
+            self._active.discard(self)
             self.abort_unfinished()
             await self._stream.aclose()
             raise
@@ -174,21 +187,34 @@ class Generation:
             async for which, out in self._stream:
                 yield self._apply(which, out)
         finally:
+            self._active.discard(self)
             self.abort_unfinished()
             await self._stream.aclose()
 
     def _apply(self, which: int, out: RequestOutput) -> tuple[ChoiceState, CompletionOutput]:
-        choice = self.choices[self.subs[which].index]
+        choice = self.choices[which]
         delta = out.outputs[0]
         choice.add(delta)
         return choice, delta
 
+    def unfinished(self) -> list[str]:
+        return [
+            r.request_id
+            for i, r in enumerate(self.requests)
+            if self.choices[i].finish_reason is None
+        ]
+
     def abort_unfinished(self) -> None:
         # Synchronous on purpose: it frees the blocks even when the task closing the streams
         # is itself being cancelled and cannot await their cleanup.
-        for sub in self.subs:
-            if self.choices[sub.index].finish_reason is None:
-                self.engine.abort(sub.request_id)
+        for rid in self.unfinished():
+            self.engine.abort(rid)
+
+    def fail(self, error: BaseException) -> None:
+        """Ends every unfinished choice with ``error`` now, even while the engine is stuck."""
+        self._active.discard(self)
+        for rid in self.unfinished():
+            self.engine.fail(rid, error)
 
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices.values())
@@ -196,7 +222,11 @@ class Generation:
 
 def check_finished(choice: ChoiceState) -> None:
     if choice.finish_reason == "error":
-        raise RuntimeError(f"the engine failed choice {choice.index}")
+        raise EngineFailedError(engine_error(choice.index, choice.error))
+
+
+def engine_error(index: int, message: str | None) -> str:
+    return f"The engine failed choice {index}: {message or 'unknown error'}"
 
 
 # ---- the server ----
@@ -204,11 +234,43 @@ def check_finished(choice: ChoiceState) -> None:
 
 class OpenAIServer:
     def __init__(
-        self, engine: AsyncEngine, served_model_name: str, extra_model_names: Iterable[str] = ()
+        self, engine: AsyncEngine, args: ServerArgs, extra_model_names: Iterable[str] = ()
     ):
         self.engine = engine
-        self.served_model_name = served_model_name
-        self.model_names = {served_model_name, engine.model_name, *extra_model_names}
+        self.args = args
+        self.served_model_name = args.served_model_name or engine.model_name
+        self.model_names = {self.served_model_name, engine.model_name, *extra_model_names}
+        self.active: set[Generation] = set()  # generations in flight
+        self.draining = False  # set at shutdown: new requests get 503
+
+    def health(self) -> str | None:
+        """None when this server should get traffic; else why not."""
+        if self.draining:
+            return "the server is shutting down"
+        return self.engine.health(self.args.engine_stall_timeout)
+
+    def abort_all(self, error: BaseException) -> int:
+        """Ends every generation in flight with ``error``; returns how many there were."""
+        active = list(self.active)
+        for gen in active:
+            gen.fail(error)
+        return len(active)
+
+    def admit(self, num_prompts: int, n: int) -> None:
+        """Refuses, before any work, a request over the per-request limits (400) or one the
+        queue has no room for (429)."""
+        limit = self.args.max_prompts_per_request
+        if num_prompts > limit:
+            message = f"A request may batch at most {limit} prompts; got {num_prompts}."
+            raise RequestError(message, param="prompt", code="too_many_prompts")
+        limit = self.args.max_sequences_per_request
+        if num_prompts * n > limit:
+            message = (
+                f"A request may start at most {limit} sequences (prompts x n); got "
+                f"{num_prompts} x {n} = {num_prompts * n}."
+            )
+            raise RequestError(message, param="n", code="too_many_sequences")
+        self.engine.check_admission(num_prompts * n)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
@@ -236,9 +298,18 @@ class OpenAIServer:
             raise RequestError(str(e), param="messages") from e
 
     def text_prompt(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
+        if not isinstance(prompt, str):
+            return list(prompt)
+        try:
             return self.tokenizer("prompt").encode(prompt)
-        return list(prompt)
+        except ValueError as e:  # not valid Unicode
+            raise RequestError(f"The prompt cannot be tokenized: {e}.", param="prompt") from e
+
+    async def text_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Tokenized in a worker thread: a long text never holds up the event loop."""
+        if all(not isinstance(p, str) for p in prompts):
+            return [list(p) for p in prompts]
+        return await asyncio.to_thread(lambda: [self.text_prompt(p) for p in prompts])
 
     def token_text(self, token_id: int) -> str:
         tok = self.engine.tokenizer
@@ -247,22 +318,16 @@ class OpenAIServer:
     # -- generation --
 
     async def generation(
-        self,
-        rid: str,
-        prompts: list[list[int]],
-        n: int,
-        make_params: Callable[[int], SamplingParams],
-        priority: int = 0,
+        self, rid: str, prompts: list[list[int]], params: list[SamplingParams], priority: int
     ) -> Generation:
-        subs = []
-        for p, ids in enumerate(prompts):
-            for k in range(n):
-                params = make_params(k)
-                if k == 0:
-                    self.engine.validate(ids, params)
-                index = p * n + k
-                subs.append(SubRequest(index, f"{rid}-{index}", ids, params, priority))
-        gen = Generation(self.engine, subs)
+        """n = len(params) choices per prompt, admitted as one group."""
+        requests = []
+        for ids in prompts:
+            self.engine.validate(ids, params[0])  # the choices differ only in their seeds
+            for choice_params in params:
+                rid_k = f"{rid}-{len(requests)}"
+                requests.append(EngineRequest(rid_k, ids, choice_params, priority))
+        gen = Generation(self.engine, requests, self.active)
         await gen.start()
         return gen
 
@@ -300,12 +365,10 @@ class OpenAIServer:
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
         rid = random_id("cmpl")
-        prompts = [self.text_prompt(p) for p in req.prompts]
-
-        def make_params(k: int) -> SamplingParams:
-            return req.sampling_params(req.max_tokens, req.logprobs, seed_offset=k)
-
-        gen = await self.generation(rid, prompts, req.n, make_params, req.priority)
+        params = [req.sampling_params(req.max_tokens, req.logprobs, k) for k in range(req.n)]
+        self.admit(len(req.prompts), req.n)
+        prompts = await self.text_prompts(req.prompts)
+        gen = await self.generation(rid, prompts, params, req.priority)
         usage_prompt = sum(len(ids) for ids in prompts)
         if req.stream:
             return sse_response(self.completion_events(rid, gen, req, usage_prompt))
@@ -340,7 +403,8 @@ class OpenAIServer:
             if not delta.text and delta.finish_reason is None and logprobs is None:
                 continue
             if delta.finish_reason == "error":
-                yield sse_error(RuntimeError("the engine failed this request"))
+                yield sse_error(EngineFailedError(engine_error(choice.index, choice.error)))
+                yield "data: [DONE]\n\n"
                 return
             chunk = CompletionResponse(
                 id=rid,
@@ -388,12 +452,12 @@ class OpenAIServer:
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
         rid = random_id("chatcmpl")
-        prompt = self.chat_prompt(req.messages)
-
-        def make_params(k: int) -> SamplingParams:
-            return req.sampling_params(req.max_new_tokens, req.num_logprobs, seed_offset=k)
-
-        gen = await self.generation(rid, [prompt], req.n, make_params, req.priority)
+        params = [
+            req.sampling_params(req.max_new_tokens, req.num_logprobs, k) for k in range(req.n)
+        ]
+        self.admit(1, req.n)
+        prompt = await asyncio.to_thread(self.chat_prompt, req.messages)
+        gen = await self.generation(rid, [prompt], params, req.priority)
         if req.stream:
             return sse_response(self.chat_events(rid, gen, req, len(prompt)))
         choices = await self.collect(gen, request)
@@ -439,7 +503,8 @@ class OpenAIServer:
             if not delta.text and delta.finish_reason is None and logprobs is None:
                 continue
             if delta.finish_reason == "error":
-                yield sse_error(RuntimeError("the engine failed this request"))
+                yield sse_error(EngineFailedError(engine_error(choice.index, choice.error)))
+                yield "data: [DONE]\n\n"
                 return
             content = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
             yield chunk(
@@ -487,7 +552,11 @@ class OpenAIServer:
             # The ids exactly as the chat endpoint would see them.
             ids = self.chat_prompt(req.messages, req.add_generation_prompt)
         else:
-            ids = self.tokenizer("prompt").encode(req.prompt, req.add_special_tokens)
+            try:
+                ids = self.tokenizer("prompt").encode(req.prompt, req.add_special_tokens)
+            except ValueError as e:  # not valid Unicode
+                message = f"The prompt cannot be tokenized: {e}."
+                raise RequestError(message, param="prompt") from e
         strs = [self.token_text(t) for t in ids] if req.return_token_strs else None
         return TokenizeResponse(
             tokens=ids, count=len(ids), max_model_len=self.engine.max_model_len, token_strs=strs
@@ -568,7 +637,7 @@ def error_response(status: int, message: str, param: str | None = None) -> Respo
     )
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, max_request_bytes: int) -> None:
     @app.exception_handler(RequestError)
     async def request_error(_: Request, exc: RequestError) -> Response:
         response = json_response(error_body(exc), exc.status)
@@ -583,7 +652,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        response = error_response(exc.status_code, str(exc.detail))
+        message = str(exc.detail)
+        if exc.status_code == 413:
+            message = f"The request body is larger than this server's limit of {max_request_bytes}"
+            message += " bytes (--max-request-bytes)."
+        response = error_response(exc.status_code, message)
         for name, value in (exc.headers or {}).items():
             response.headers[name] = value
         return response
@@ -597,18 +670,63 @@ def install_error_handlers(app: FastAPI) -> None:
         return json_response(error_body(exc), 500)
 
 
+# What the API answers besides 200, as the OpenAPI document describes it (never 422: a body
+# that does not validate is a 400, as OpenAI answers).
+ERROR_STATUSES = {
+    "400": "Invalid request: the message names the parameter.",
+    "401": "Missing or wrong API key (when the server has keys).",
+    "404": "Unknown model or route.",
+    "413": "Request body over --max-request-bytes.",
+    "429": "Queue full; retry after the Retry-After header's seconds.",
+    "500": "Internal error.",
+    "503": "Shutting down, or the engine is not progressing.",
+}
+
+
+def openapi_with_errors(app: FastAPI) -> Callable[[], dict]:
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            components = schema["components"]["schemas"]
+            body = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}), ErrorResponse=body)
+            error = {"$ref": "#/components/schemas/ErrorResponse"}
+            for ops in schema["paths"].values():
+                for op in ops.values():
+                    op["responses"].pop("422", None)
+                    for status, description in ERROR_STATUSES.items():
+                        content = {"application/json": {"schema": error}}
+                        op["responses"][status] = {"description": description, "content": content}
+            for name in ("HTTPValidationError", "ValidationError"):
+                components.pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi
+
+
 def build_app(
-    engine: AsyncEngine, served_model_name: str | None = None, extra_model_names: Iterable[str] = ()
+    engine: AsyncEngine, args: ServerArgs | None = None, extra_model_names: Iterable[str] = ()
 ) -> FastAPI:
     """The HTTP app over a running engine. ``model`` in a request must be one of the names."""
-    server = OpenAIServer(engine, served_model_name or engine.model_name, extra_model_names)
-    app = FastAPI(title="kvserve", summary="OpenAI-compatible LLM server")
+    args = args or ServerArgs()
+    server = OpenAIServer(engine, args, extra_model_names)
+    app = FastAPI(
+        title="kvserve",
+        summary="OpenAI-compatible LLM server",
+        max_body_size=args.max_request_bytes,
+    )
     app.state.server = server
-    install_error_handlers(app)
+    app.openapi = openapi_with_errors(app)
+    app.add_middleware(Guard, api_keys=args.api_key, draining=lambda: server.draining)
+    install_error_handlers(app, args.max_request_bytes)
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> Response:
+        reason = server.health()
+        if reason is not None:
+            return error_response(503, f"Unhealthy: {reason}.")
+        return Response('{"status":"ok"}', media_type="application/json")
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
@@ -633,10 +751,10 @@ def build_app(
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
-        return json_response(server.tokenize(body))
+        return json_response(await asyncio.to_thread(server.tokenize, body))
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Response:
-        return json_response(server.detokenize(body))
+        return json_response(await asyncio.to_thread(server.detokenize, body))
 
     return app

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from engine.args import EngineArgs, add_cli_args, from_cli_args
 from engine.capacity import capacity
+from server.args import API_KEY_ENV, ServerArgs
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -36,13 +38,7 @@ def build_parser(client: dict[str, EntryPoint] | None = None) -> argparse.Argume
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     add_cli_args(serve)
-    http = serve.add_argument_group("http")
-    http.add_argument("--host", default="127.0.0.1")
-    http.add_argument("--port", type=int, default=8000)
-    http.add_argument(
-        "--served-model-name", default=None, help="the `model` clients ask for (default: folder)"
-    )
-    http.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    add_cli_args(serve, cls=ServerArgs, required=())
 
     plan = sub.add_parser(
         "plan",
@@ -77,6 +73,17 @@ def engine_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Engi
         parser.error(str(e))
 
 
+def server_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> ServerArgs:
+    """The parsed server flags, checked; API keys from the environment when no flag gives one."""
+    keys = tuple(ns.api_key or ())
+    if not keys and os.environ.get(API_KEY_ENV):
+        keys = (os.environ[API_KEY_ENV],)
+    try:
+        return from_cli_args(ns, ServerArgs, api_key=keys)
+    except ValueError as e:
+        parser.error(str(e))
+
+
 def run_client_command(ep: EntryPoint, argv: list[str]) -> int:
     try:
         main = ep.load()
@@ -98,20 +105,23 @@ def log_startup(engine: AsyncEngine, served_model_name: str) -> None:
     )
 
 
-def serve(ns: argparse.Namespace, args: EngineArgs) -> int:
-    import uvicorn
-
+def serve(args: EngineArgs, http: ServerArgs) -> int:
     from engine.async_engine import AsyncEngine
+    from server import shutdown
     from server.app import build_app
 
     engine = AsyncEngine(args)
     try:
-        served = ns.served_model_name or engine.model_name
-        app = build_app(engine, served, extra_model_names=[ns.model, Path(ns.model).name])
-        log_startup(engine, served)
-        uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level)
+        app = build_app(engine, http, extra_model_names=[args.model, Path(args.model).name])
+        server = app.state.server
+        log_startup(engine, server.served_model_name)
+        if http.api_key:
+            log.info("API keys required on every route but /health and /metrics")
+        elif http.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("listening on %s without API keys (--api-key)", http.host)
+        shutdown.run(app, server, http.host, http.port, http.log_level, http.shutdown_timeout)
     finally:
-        engine.shutdown()
+        engine.shutdown(timeout=shutdown.FLUSH_S)
     return 0
 
 
@@ -137,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(client)
     ns = parser.parse_args(argv)
     if ns.command == "serve":
-        return serve(ns, engine_args(parser, ns))
+        return serve(engine_args(parser, ns), server_args(parser, ns))
     if ns.command == "plan":
         args = engine_args(parser, ns)
         try:

@@ -42,6 +42,7 @@ TYPE_HINTS = {
 }
 
 MAX_N = 64
+INT64 = (-(2**63), 2**63 - 1)
 MAX_TOP_LOGPROBS = 20
 # JSON has no -Infinity; masked-out alternatives get this instead, as vLLM does.
 MIN_LOGPROB = -9999.0
@@ -63,12 +64,41 @@ def _normalize(data: Any) -> Any:
     return data
 
 
-class OpenAIBody(BaseModel):
-    """A request body: unknown fields are errors, so a typo is never silently ignored."""
+def _check_unicode(data: Any, where: str = "") -> None:
+    """Every string in a body must be valid Unicode: JSON can escape a lone surrogate
+    ("\\ud800"), which no tokenizer or encoder accepts."""
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")
+        except UnicodeEncodeError as e:
+            message = f"{where or 'The body'} is not valid Unicode ({e.reason} at {e.start})."
+            raise PydanticCustomError("invalid_unicode", message, {"param": where}) from None
+    elif isinstance(data, dict):
+        for key, value in data.items():
+            _check_unicode(key, where)
+            _check_unicode(value, f"{where}.{key}" if where else str(key))
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            _check_unicode(value, f"{where}.{i}")
 
-    model_config = ConfigDict(extra="forbid")
+
+class OpenAIBody(BaseModel):
+    """A request body: unknown fields are errors, so a typo is never silently ignored; no type
+    is coerced (``"stream": "yes"`` is not a boolean) and numbers are finite."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     _normalize = model_validator(mode="before")(_normalize)
+
+
+class RequestBody(OpenAIBody):
+    """A whole request (not a part of one): its text is checked once, all of it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data: Any) -> Any:
+        _check_unicode(data)
+        return data
 
 
 class StreamOptions(OpenAIBody):
@@ -108,7 +138,7 @@ class OverflowOptions(OpenAIBody):
         return ContextOverflow(self.policy, self.n_keep, self.n_discard)
 
 
-class SamplingFields(OpenAIBody):
+class SamplingFields(RequestBody):
     """Fields both generation endpoints share, OpenAI's and vLLM's extensions."""
 
     model: str | None = None
@@ -116,7 +146,7 @@ class SamplingFields(OpenAIBody):
     n: StrictInt = 1
     temperature: float | None = None
     top_p: float | None = None
-    seed: StrictInt | None = None
+    seed: Annotated[StrictInt, Field(ge=INT64[0], le=INT64[1])] | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -165,7 +195,7 @@ class SamplingFields(OpenAIBody):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k,
             min_p=self.min_p,
-            seed=None if self.seed is None else self.seed + seed_offset,
+            seed=None if self.seed is None else _wrap_int64(self.seed + seed_offset),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
@@ -178,6 +208,10 @@ class SamplingFields(OpenAIBody):
             min_tokens=self.min_tokens,
             overflow=self.overflow.to_engine() if self.overflow is not None else None,
         )
+
+
+def _wrap_int64(n: int) -> int:
+    return (n - INT64[0]) % 2**64 + INT64[0]
 
 
 def _field_error(param: str, message: str) -> PydanticCustomError:
@@ -218,6 +252,12 @@ class CompletionRequest(SamplingFields):
     max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = None
 
+    @model_validator(mode="after")
+    def _check_prompt(self) -> CompletionRequest:
+        if not self.prompt:
+            raise _field_error("prompt", "prompt must not be empty.")
+        return self
+
     @property
     def prompts(self) -> list[str | list[int]]:
         """The batch: one entry per prompt, text or token ids."""
@@ -234,7 +274,7 @@ class TextPart(OpenAIBody):
 
 class ChatMessage(OpenAIBody):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart]
     name: str | None = None
 
     def as_template_input(self) -> dict[str, str]:
@@ -274,7 +314,7 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(OpenAIBody):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -289,7 +329,7 @@ class TokenizeRequest(OpenAIBody):
         return self
 
 
-class DetokenizeRequest(OpenAIBody):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: TokenIds
 

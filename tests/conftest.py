@@ -43,3 +43,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A tiny random-weight Llama checkpoint (no tokenizer: prompts are token ids)."""
+    from tests.helpers import save_tiny_llama
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_llama(path)
+    return path

@@ -495,13 +495,14 @@ def test_real_server_completes_a_short_benchmark(smollm2_dir):
     from engine.args import EngineArgs
     from engine.async_engine import AsyncEngine
     from server.app import build_app
+    from server.args import ServerArgs
 
     args = EngineArgs(
         model=str(smollm2_dir), device="cpu", max_model_len=256, num_kv_blocks=64, max_num_seqs=4
     )
     engine = AsyncEngine(args)
     try:
-        app = build_app(engine, "smollm2")
+        app = build_app(engine, ServerArgs(served_model_name="smollm2"))
         with serve_app(app) as url:
             result = bench(
                 url,

@@ -130,10 +130,12 @@ def test_preemption_picks_lowest_priority_then_latest_arrival():
 
 
 def test_admission_bounds_the_queue_by_requests_and_tokens():
-    assert Admission(max_queue_len=2).decide(1, 100, 50) is None
-    assert Admission(max_queue_len=2).decide(2, 100, 50) == "queue_full"
-    assert Admission(max_queued_tokens=120).decide(1, 100, 50) == "queued_tokens"
-    assert Admission(max_queued_tokens=120).decide(0, 0, 500) is None  # an empty queue admits
+    assert Admission(max_queue_len=2).decide(1, 100, 1, 50) is None
+    assert Admission(max_queue_len=2).decide(2, 100, 1, 50) == "queue_full"
+    assert Admission(max_queue_len=4).decide(1, 100, 3, 50) is None  # a group fits whole
+    assert Admission(max_queue_len=4).decide(2, 100, 3, 50) == "queue_full"  # or not at all
+    assert Admission(max_queued_tokens=120).decide(1, 100, 1, 50) == "queued_tokens"
+    assert Admission(max_queued_tokens=120).decide(0, 0, 1, 500) is None  # an empty queue admits
 
 
 # ---- the KV manager's cache moves ----

@@ -26,6 +26,7 @@ def real_server(model_dir) -> Iterator[tuple[object, str]]:
     """The real engine with small settings behind a served app: (engine, base URL)."""
     from engine.async_engine import AsyncEngine
     from server.app import build_app
+    from server.args import ServerArgs
 
     args = EngineArgs(
         model=str(model_dir),
@@ -37,7 +38,7 @@ def real_server(model_dir) -> Iterator[tuple[object, str]]:
     )
     engine = AsyncEngine(args)
     try:
-        with serve_in_thread(build_app(engine, SERVED_NAME)) as url:
+        with serve_in_thread(build_app(engine, ServerArgs(served_model_name=SERVED_NAME))) as url:
             yield engine, url
     finally:
         engine.shutdown()

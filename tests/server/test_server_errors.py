@@ -89,9 +89,15 @@ class StubEngine:
     def validate(self, prompt_token_ids, params) -> None:
         pass
 
-    async def generate(self, prompt_token_ids, params, request_id, priority=0):
-        raise self.fail_with
-        yield  # pragma: no cover
+    def check_admission(self, num_requests, num_tokens=0) -> None:
+        pass
+
+    def submit(self, requests):
+        async def failing():
+            raise self.fail_with
+            yield  # pragma: no cover
+
+        return [failing() for _ in requests]
 
     def abort(self, request_id) -> None:
         pass

@@ -24,6 +24,7 @@ def served(smollm2_dir, one_thread):
     """A pool of 8 blocks of 16: three requests of ~45 tokens fill it."""
     from engine.async_engine import AsyncEngine
     from server.app import build_app
+    from server.args import ServerArgs
 
     args = EngineArgs(
         model=str(smollm2_dir),
@@ -38,7 +39,7 @@ def served(smollm2_dir, one_thread):
     )
     engine = AsyncEngine(args)
     try:
-        with serve_in_thread(build_app(engine, "smollm2")) as url:
+        with serve_in_thread(build_app(engine, ServerArgs(served_model_name="smollm2"))) as url:
             yield engine, url
     finally:
         engine.shutdown()

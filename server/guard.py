@@ -1,0 +1,77 @@
+"""What a request passes before any route sees it: the drain, then the API key.
+
+A plain ASGI middleware (it never buffers a response, so streams pass through untouched).
+/health and /metrics are always open: probes and scrapers carry no key, and during a drain
+/health itself answers 503. The API description (/openapi.json, /docs) is open too.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from server.protocol import ErrorInfo, ErrorResponse
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+DOC_PATHS = frozenset({"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+# Seconds a client is told to wait before retrying elsewhere while this server drains.
+DRAIN_RETRY_AFTER = 1
+
+
+def error(status: int, message: str, kind: str, code: str, headers: dict | None = None):
+    body = ErrorResponse(error=ErrorInfo(message=message, type=kind, code=code))
+    return Response(body.model_dump_json(), status, headers, media_type="application/json")
+
+
+def bearer_token(scope: Scope) -> str | None:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else None
+    return None
+
+
+class Guard:
+    """Refuses new requests while ``draining()`` (503, Retry-After), and requests without one
+    of ``api_keys`` when there are any (401, as OpenAI: code ``invalid_api_key``)."""
+
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], draining: Callable[[], bool]):
+        self.app = app
+        self.api_keys = tuple(key.encode() for key in api_keys)
+        self.draining = draining
+
+    def _authorized(self, scope: Scope) -> bool:
+        token = bearer_token(scope)
+        if token is None:
+            return False
+        given = token.encode()
+        # Every key compared, in constant time each: no early exit tells a key's position.
+        return sum(hmac.compare_digest(given, key) for key in self.api_keys) > 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        response = None
+        if self.draining():
+            response = error(
+                503,
+                "The server is shutting down and accepts no new requests; retry on another "
+                "replica.",
+                "server_error",
+                "shutting_down",
+                {"Retry-After": str(DRAIN_RETRY_AFTER)},
+            )
+        elif self.api_keys and scope["path"] not in DOC_PATHS and not self._authorized(scope):
+            response = error(
+                401,
+                "Incorrect or missing API key. Send it as `Authorization: Bearer KEY`.",
+                "invalid_request_error",
+                "invalid_api_key",
+                {"WWW-Authenticate": "Bearer"},
+            )
+        if response is not None:
+            return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
