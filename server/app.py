@@ -637,7 +637,7 @@ def error_response(status: int, message: str, param: str | None = None) -> Respo
     )
 
 
-def install_error_handlers(app: FastAPI, max_request_bytes: int) -> None:
+def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestError)
     async def request_error(_: Request, exc: RequestError) -> Response:
         response = json_response(error_body(exc), exc.status)
@@ -652,11 +652,7 @@ def install_error_handlers(app: FastAPI, max_request_bytes: int) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        message = str(exc.detail)
-        if exc.status_code == 413:
-            message = f"The request body is larger than this server's limit of {max_request_bytes}"
-            message += " bytes (--max-request-bytes)."
-        response = error_response(exc.status_code, message)
+        response = error_response(exc.status_code, str(exc.detail))
         for name, value in (exc.headers or {}).items():
             response.headers[name] = value
         return response
@@ -711,15 +707,16 @@ def build_app(
     """The HTTP app over a running engine. ``model`` in a request must be one of the names."""
     args = args or ServerArgs()
     server = OpenAIServer(engine, args, extra_model_names)
-    app = FastAPI(
-        title="kvserve",
-        summary="OpenAI-compatible LLM server",
-        max_body_size=args.max_request_bytes,
-    )
+    app = FastAPI(title="kvserve", summary="OpenAI-compatible LLM server")
     app.state.server = server
     app.openapi = openapi_with_errors(app)
-    app.add_middleware(Guard, api_keys=args.api_key, draining=lambda: server.draining)
-    install_error_handlers(app, args.max_request_bytes)
+    app.add_middleware(
+        Guard,
+        api_keys=args.api_key,
+        max_bytes=args.max_request_bytes,
+        draining=lambda: server.draining,
+    )
+    install_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:

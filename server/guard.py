@@ -1,4 +1,4 @@
-"""What a request passes before any route sees it: the drain, then the API key.
+"""What a request passes before any route sees it: the drain, the API key, the body size.
 
 A plain ASGI middleware (it never buffers a response, so streams pass through untouched).
 /health and /metrics are always open: probes and scrapers carry no key, and during a drain
@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Callable
 
+from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -34,14 +35,47 @@ def bearer_token(scope: Scope) -> str | None:
     return None
 
 
-class Guard:
-    """Refuses new requests while ``draining()`` (503, Retry-After), and requests without one
-    of ``api_keys`` when there are any (401, as OpenAI: code ``invalid_api_key``)."""
+def content_length(scope: Scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return int(value) if value.isdigit() else None
+    return None
 
-    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], draining: Callable[[], bool]):
+
+def too_large(max_bytes: int) -> str:
+    return f"The request body is larger than this server's limit of {max_bytes} bytes."
+
+
+class Guard:
+    """Refuses new requests while ``draining()`` (503, Retry-After), requests without one of
+    ``api_keys`` when there are any (401, as OpenAI: code ``invalid_api_key``), and bodies over
+    ``max_bytes`` (413): at once from Content-Length, else as soon as the bytes arriving pass it
+    (the route's body read raises, and the app's handler answers)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_keys: tuple[str, ...],
+        max_bytes: int,
+        draining: Callable[[], bool],
+    ):
         self.app = app
         self.api_keys = tuple(key.encode() for key in api_keys)
+        self.max_bytes = max_bytes
         self.draining = draining
+
+    def _limited(self, receive: Receive) -> Receive:
+        received = 0
+
+        async def receive_limited():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise HTTPException(413, too_large(self.max_bytes))
+            return message
+
+        return receive_limited
 
     def _authorized(self, scope: Scope) -> bool:
         token = bearer_token(scope)
@@ -72,6 +106,9 @@ class Guard:
                 "invalid_api_key",
                 {"WWW-Authenticate": "Bearer"},
             )
+        elif (content_length(scope) or 0) > self.max_bytes:
+            message = too_large(self.max_bytes)
+            response = error(413, message, "invalid_request_error", "request_too_large")
         if response is not None:
             return await response(scope, receive, send)
-        return await self.app(scope, receive, send)
+        return await self.app(scope, self._limited(receive), send)

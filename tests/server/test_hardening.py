@@ -139,10 +139,19 @@ def test_fan_out_is_refused_at_once_beside_a_canary(smol, canary_text):
     assert took < ANSWER_S
     error = assert_error(r, 400, "n")
     assert error["code"] == "too_many_sequences" and "128" in error["message"]
-    # Within the per-request limits, but more sequences than the queue holds: 429 at once.
+    # Within the per-request limits, but more sequences than the whole queue holds.
     r, took = timed_post(url, {"prompt": "Hi", "n": 64, "max_tokens": 1})
     assert took < ANSWER_S
+    assert "queue holds 16" in assert_error(r, 400, "n")["message"]
+    # A group that fills the queue (7 of its 16 run beside the canary, 9 wait), then one that
+    # does not fit beside it: 429 at once, all of it refused.
+    filler = Canary(url, {"prompt": "Hi", "n": 16, "max_tokens": 20, "ignore_eos": True})
+    filler.start()
+    assert filler.started_streaming.wait(60)
+    r, took = timed_post(url, {"prompt": "Hi", "n": 8, "max_tokens": 1})
+    assert took < ANSWER_S
     assert assert_error(r, 429)["code"] == "queue_full" and int(r.headers["Retry-After"]) >= 1
+    filler.finish()
     assert canary.finish().text == canary_text
     assert canary.max_gap < CANARY_GAP_S
     # One refused request is one rejection, whatever its fan-out.
@@ -215,7 +224,9 @@ def test_large_bodies_are_refused_or_tokenized_off_the_event_loop(smol, canary_t
         for i in range(0, len(big), MIB):
             yield big[i : i + MIB]
 
-    assert_error(timed_post(url, b"", content=chunks())[0], 413)
+    headers = {"content-type": "application/json"}
+    r = httpx.post(url + COMPLETIONS, content=chunks(), headers=headers, timeout=60)
+    assert "request_too_large" != assert_error(r, 413)["code"]  # found mid-body, not up front
     # Under the limit but far over the context: tokenized (seconds of work), then refused,
     # while the canary's tokens keep coming.
     text = "The quick brown fox jumps over the lazy dog. " * 50_000
@@ -264,7 +275,8 @@ def test_openai_client_sends_its_key(keyed):
 
     _, url = keyed
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEYS[1], max_retries=0)
-    r = client.completions.create(model="x", prompt=[5, 6, 7], max_tokens=3)
+    model = client.models.list().data[0].id
+    r = client.completions.create(model=model, prompt=[5, 6, 7], max_tokens=3)
     assert r.usage.completion_tokens == 3
     bad = openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
