@@ -42,5 +42,5 @@ def _merge(total: RequestOutput, delta: RequestOutput) -> None:
     acc.token_ids.extend(new.token_ids)
     if new.logprobs is not None:
         acc.logprobs = (acc.logprobs or []) + new.logprobs
-    acc.finish_reason, acc.stop_reason = new.finish_reason, new.stop_reason
+    acc.finish_reason, acc.stop_reason, acc.error = new.finish_reason, new.stop_reason, new.error
     total.finished = delta.finished

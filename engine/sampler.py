@@ -78,7 +78,8 @@ class Sampler:
     def _choose(row: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
         if p.greedy:
             return int(row.argmax())
-        row = row / p.temperature
+        # Shifted to a maximum of 0 first, the scaled row cannot overflow at any temperature.
+        row = (row - row.max()) / p.temperature
         if p.top_k > 0 and p.top_k < row.shape[0]:
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))

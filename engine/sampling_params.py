@@ -11,7 +11,8 @@ from engine.errors import RequestError
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing logits by it would
 # overflow them.
 GREEDY_BELOW = 1e-5
-# repetition_penalty divides or multiplies a logit: within these, fp32 logits stay finite.
+# repetition_penalty divides or multiplies a logit: within these a logit grows at most 100-fold,
+# so a model's fp32 logits stay finite (the sampler then scales by 1/temperature overflow-free).
 REPETITION_PENALTY = (0.01, 2.0)
 INT64 = (-(2**63), 2**63 - 1)
 

@@ -12,7 +12,7 @@ Pure Python: the output is plain data for the model runner.
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
@@ -25,6 +25,7 @@ from engine.context_overflow import (
 from engine.kv_manager import BlockPairs, BlockTables, KVCacheManager
 from engine.preemption import Preemption
 from engine.request import Request, RequestStatus
+from engine.request_queue import RequestQueue, queue_key
 from engine.sampling_params import SamplingParams
 
 
@@ -107,9 +108,8 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.preemption = Preemption(config.preemption_mode)
         self.default_context_policy = default_context_policy  # for requests without their own
-        self.waiting: deque[Request] = deque()
-        self.num_waiting_tokens = 0  # prompt tokens of the waiting requests, kept as they move
-        self.swapped: deque[Request] = deque()
+        self.waiting = RequestQueue()
+        self.swapped = RequestQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.events = SchedulerEvents()
@@ -124,7 +124,7 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         req.block_tables = self.kv.new_tables()
         self.requests[req.request_id] = req
-        self._wait(req)
+        self.waiting.push(req)
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
@@ -141,7 +141,7 @@ class Scheduler:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING:
-            self._unwait(req)
+            self.waiting.remove(req)
         elif req.status == RequestStatus.SWAPPED:
             self.kv.free_host(req.host_tables)
             self.swapped.remove(req)
@@ -157,14 +157,17 @@ class Scheduler:
     def live_requests(self) -> list[Request]:
         return list(self.requests.values())
 
-    def _wait(self, req: Request, front: bool = False) -> None:
-        # A waiting request has computed nothing: all its tokens are to come.
-        (self.waiting.appendleft if front else self.waiting.append)(req)
-        self.num_waiting_tokens += req.num_tokens
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Prompt tokens the waiting requests have still to compute."""
+        return self.waiting.num_tokens
 
-    def _unwait(self, req: Request) -> None:
-        self.waiting.remove(req)
-        self.num_waiting_tokens -= req.num_tokens
+    def _next_queued(self) -> Request:
+        """The best of the waiting and swapped requests; waiting first among equals."""
+        waiting, swapped = self.waiting.peek(), self.swapped.peek()
+        if waiting is None or (swapped is not None and queue_key(swapped) < queue_key(waiting)):
+            return swapped
+        return waiting
 
     def drain_events(self) -> SchedulerEvents:
         events, self.events = self.events, SchedulerEvents()
@@ -216,7 +219,7 @@ class Scheduler:
         while (self.waiting or self.swapped) and step.budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
-            req = min((*self.waiting, *self.swapped), key=lambda r: (r.priority, r.arrival_time))
+            req = self._next_queued()
             if req.request_id in step.preempted:
                 break  # it just gave its blocks to a better request
             if req.status == RequestStatus.SWAPPED and step.preempted:
@@ -248,7 +251,7 @@ class Scheduler:
         else:
             if not self.kv.can_allocate(req.block_tables, need):
                 return False
-            self._unwait(req)
+            self.waiting.remove(req)
         self.kv.allocate(req.block_tables, need)
         req.status = RequestStatus.RUNNING
         if req.first_scheduled_time is None:
@@ -288,12 +291,12 @@ class Scheduler:
                 pairs.extend(group_copies)
             self.events.swapped_blocks["out"] += sum(len(c) for c in copies)
             victim.status = RequestStatus.SWAPPED
-            self.swapped.appendleft(victim)
+            self.swapped.push(victim, front=True)
         else:
             self.kv.free(victim.block_tables)
             victim.num_computed_tokens = 0
             victim.status = RequestStatus.WAITING
-            self._wait(victim, front=True)
+            self.waiting.push(victim, front=True)
         return victim, was_scheduled
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:

@@ -91,7 +91,7 @@ def tiny(tiny_llama_dir):
         yield pair
 
 
-def test_soak_with_client_aborts_leaves_every_block_free_and_metrics_consistent(tiny):
+def test_soak_with_client_aborts_leaves_every_block_free_and_metrics_consistent(tiny, one_thread):
     engine, url = tiny
     tally = asyncio.run(soak(url))
     assert set(tally) <= {200, 400, "sequences", "tokens", "aborted", "gave_up"}, dict(tally)
@@ -113,3 +113,53 @@ def test_soak_with_client_aborts_leaves_every_block_free_and_metrics_consistent(
     # Requests a client gave up on before they were admitted never reached the engine.
     assert tally["sequences"] <= success == finished <= tally["sequences"] + 3 * tally["gave_up"]
     assert metric(url, "kvserve:generation_tokens_total") >= tally["tokens"]
+
+
+# Generated requests per endpoint and mode (valid by the schema, and not).
+FUZZ_EXAMPLES = 30
+FUZZ_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+
+
+def bounded(body):
+    """Keeps a generated request cheap to serve; every other value is left as generated."""
+    if isinstance(body, dict):
+        for name in ("max_tokens", "max_completion_tokens"):
+            if isinstance(body.get(name), int) and not isinstance(body[name], bool):
+                body[name] = min(body[name], 2)
+        if isinstance(body.get("n"), int) and not isinstance(body["n"], bool):
+            body["n"] = min(body["n"], 2)
+    return body
+
+
+def test_schema_fuzzing_gets_no_server_error(tiny_llama_dir, one_thread):
+    """The tiny model (token-id prompts; text gets a 400 from its missing tokenizer) keeps the
+    run short; the values under test are the sampling ones, which every model shares."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    engine = dict(num_kv_blocks=64, max_num_seqs=8)
+    failures = []
+    with server(tiny_llama_dir, engine, {}) as (async_engine, url):
+        schema = schemathesis.openapi.from_url(url + "/openapi.json")
+        for path in FUZZ_PATHS:
+            operation = schema[path]["POST"]
+            for mode in schemathesis.GenerationMode:
+
+                @given(case=operation.as_strategy(mode))
+                @settings(
+                    max_examples=FUZZ_EXAMPLES,
+                    deadline=None,
+                    database=None,
+                    derandomize=True,
+                    suppress_health_check=list(HealthCheck),
+                )
+                def call(case) -> None:
+                    case.body = bounded(case.body)
+                    r = case.call(base_url=url, timeout=60)
+                    if r.status_code >= 500:
+                        failures.append((case.path, case.body, r.status_code, r.text[:300]))
+
+                call()
+        stats = wait_for_free_blocks(async_engine, timeout=30)
+    assert not failures, failures[:5]
+    assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
