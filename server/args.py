@@ -19,7 +19,7 @@ API_KEY_ENV = "KVSERVE_API_KEY"
 @dataclass(frozen=True)
 class ServerArgs:
     host: str = setting("127.0.0.1", "address to listen on", group=HTTP)
-    port: int = setting(8000, "port to listen on", group=HTTP)
+    port: int = setting(8000, "port to listen on (0: any free one)", group=HTTP)
     served_model_name: str | None = setting(
         None, "the `model` clients ask for", group=HTTP, when_none="the model folder's name"
     )
@@ -52,7 +52,7 @@ class ServerArgs:
 
     def __post_init__(self) -> None:
         checks = [
-            (0 < self.port < 65536, "port"),
+            (0 <= self.port < 65536, "port"),  # 0: any free port
             (all(self.api_key), "api_key"),
             (self.max_request_bytes > 0, "max_request_bytes"),
             (self.max_prompts_per_request > 0, "max_prompts_per_request"),
