@@ -60,13 +60,12 @@ class AsyncEngine:
 
     def submit(self, requests: list[EngineRequest]) -> list[AsyncIterator[RequestOutput]]:
         """Queues ``requests`` as one group, admitted or refused (429) as a whole; returns the
-        output deltas of each. Call from the event loop; leaving a stream early aborts it."""
+        output deltas of each. A refused or invalid group ends each stream with the engine's
+        error. Call from the event loop; leaving a stream early aborts it."""
         loop = asyncio.get_running_loop()
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids) or any(rid in self._streams for rid in ids):
             raise ValueError(f"request ids {ids} are already in use")
-        for r in requests:
-            self.validate(r.prompt_token_ids, r.params)
         for rid in ids:
             self._streams[rid] = (loop, asyncio.Queue())
         self._commands.put(("add", requests))

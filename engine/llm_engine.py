@@ -265,10 +265,9 @@ class LLMEngine:
             reqs = [self.scheduler.requests.get(s.request_id) for s in out.scheduled]
             return self._fail([r for r in reqs if r is not None], _describe("the step", e))
         failed = {rid: e for rid, e in sampled.items() if isinstance(e, Exception)}
-        outputs = self._fail(
-            [self.scheduler.requests[rid] for rid in failed],
-            *(_describe("sampling", e) for e in failed.values()),
-        )
+        outputs = []
+        for rid, e in failed.items():
+            outputs += self._fail([self.scheduler.requests[rid]], _describe("sampling", e))
         got = self.scheduler.update(
             out, {rid: s[0] for rid, s in sampled.items() if rid not in failed}
         )
@@ -321,16 +320,15 @@ class LLMEngine:
         )
         return RequestOutput(req.request_id, req.prompt_token_ids, [completion], req.finished)
 
-    def _fail(self, reqs: list[Request], *errors: str) -> list[RequestOutput]:
-        """Ends ``reqs`` with finish_reason "error" and the message ``errors[i]`` (or the one
-        message for all); each gets its final output even if it had just finished."""
+    def _fail(self, reqs: list[Request], error: str) -> list[RequestOutput]:
+        """Ends ``reqs`` with finish_reason "error" and the message ``error``; each gets its
+        final output even if it had just finished."""
         outs = []
-        for i, req in enumerate(reqs):
+        for req in reqs:
             if not req.finished:
                 self.scheduler.finish(req, "error")
             if self._detokenizers.pop(req.request_id, None) is not None:
                 self._finished(req)
-            error = errors[i] if len(errors) > 1 else errors[0]
             out = CompletionOutput(0, finish_reason="error", error=error)
             outs.append(RequestOutput(req.request_id, req.prompt_token_ids, [out], True))
         return outs

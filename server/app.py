@@ -115,7 +115,7 @@ class ChoiceState:
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.stop_reason = delta.stop_reason
-            self.error = getattr(delta, "error", None)
+            self.error = delta.error
 
 
 async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:

@@ -11,7 +11,7 @@ from pydantic_core import PydanticCustomError
 
 from engine.context_overflow import CONTEXT_POLICIES, ContextOverflow
 from engine.errors import RequestError
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import INT64, SamplingParams
 
 # OpenAI fields we deliberately leave out. A request may still carry one when its value means
 # "off" (clients often send the default explicitly); anything else is refused by name, so a
@@ -42,7 +42,6 @@ TYPE_HINTS = {
 }
 
 MAX_N = 64
-INT64 = (-(2**63), 2**63 - 1)
 MAX_TOP_LOGPROBS = 20
 # JSON has no -Infinity; masked-out alternatives get this instead, as vLLM does.
 MIN_LOGPROB = -9999.0

@@ -128,14 +128,22 @@ def test_sigterm_drains_then_ends_what_is_left_at_the_deadline(tiny_llama_dir):
         proc.kill()
 
 
+def stuck_with_a_request(
+    model_dir, deadline: float
+) -> tuple[subprocess.Popen, threading.Thread, dict]:
+    """A server whose engine hangs in the step of the one request sent, signalled once."""
+    proc, url = start(model_dir, stuck=True, deadline=deadline)
+    waiting, result = stream_in_thread(url, {**ENDLESS, "max_tokens": 5})
+    time.sleep(0.5)  # the engine took it and hangs in its step
+    proc.send_signal(signal.SIGTERM)
+    return proc, waiting, result
+
+
 @pytest.mark.slow
 def test_sigterm_exits_by_the_deadline_while_the_engine_is_stuck(tiny_llama_dir):
-    proc, url = start(tiny_llama_dir, stuck=True)
+    proc, waiting, result = stuck_with_a_request(tiny_llama_dir, DEADLINE_S)
+    signalled = time.monotonic()
     try:
-        waiting, result = stream_in_thread(url, {**ENDLESS, "max_tokens": 5})
-        time.sleep(0.5)  # the engine took it and hangs in its step
-        proc.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
         waiting.join(DEADLINE_S + EXIT_MARGIN_S)
         assert not waiting.is_alive()
         # It never got a first token, so no stream began: a plain 503.
@@ -148,11 +156,8 @@ def test_sigterm_exits_by_the_deadline_while_the_engine_is_stuck(tiny_llama_dir)
 
 @pytest.mark.slow
 def test_a_second_signal_exits_at_once(tiny_llama_dir):
-    proc, url = start(tiny_llama_dir, stuck=True, deadline=60)
+    proc, _, _ = stuck_with_a_request(tiny_llama_dir, deadline=60)
     try:
-        stream_in_thread(url, {**ENDLESS, "max_tokens": 5})
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(EXIT_MARGIN_S) != 0  # long before the 60 s drain would end
