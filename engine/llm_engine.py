@@ -56,8 +56,13 @@ class LLMEngine:
         self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
         eos = tuple(dict.fromkeys(tokenizer_eos + self.model_config.eos_token_ids))
-        backend = get_backend(args.attention_backend, self.device)
-        self.runner = ModelRunner(self.model_config, dtype, self.device, backend, args.seed, eos)
+        backend_name = args.attention_backend
+        if backend_name is None and self.device.type == "cpu" and not args.cpu_kernels:
+            backend_name = "torch"
+        backend = get_backend(backend_name, self.device)
+        self.runner = ModelRunner(
+            self.model_config, dtype, self.device, backend, args.seed, eos, args.cpu_kernels
+        )
         self.cache_config = self._cache_config(self.runner.groups)
         self.runner.allocate_kv_cache(self.cache_config)
         eager = "--enforce-eager" if args.enforce_eager else self.runner.graphs_unavailable()
@@ -92,13 +97,16 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._queue_wait = 1.0  # recent time from arrival to scheduling, for Retry-After
         log.info(
-            "model %s (%s, %s on %s, %s attention), max_model_len %d\n%s",
+            "model %s (%s, %s on %s, %s attention), max_model_len %d; %d torch threads; "
+            "CPU kernels: %s\n%s",
             self.model_config.name,
             self.model_config.architecture,
             dtype,
             self.device,
             backend.name,
             self.max_model_len,
+            torch.get_num_threads(),
+            self.runner.cpu_kernels,
             format_capacity(self.cache_config, self.max_model_len),
         )
         swap = self.cache_config.num_host_blocks

@@ -9,12 +9,14 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler
 from engine.scheduler import CacheShift, SchedulerOutput
+from kernels import cpu
 from kernels.backend import AttentionBackend
 from kernels.paged import AttentionMetadata, ForwardContext
 from kernels.rotary import RopeLayout
 from models.config import ModelConfig
 from models.interface import CausalLM
 from models.kv_spec import KVCacheGroup, MLASpec
+from models.layers import use_cpu_kernels
 from models.loader import load_model
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -29,11 +31,14 @@ class ModelRunner:
         backend: AttentionBackend,
         seed: int,
         eos_token_ids: tuple[int, ...],
+        cpu_kernels: bool = True,
     ):
         self.device = device
         self.dtype = TORCH_DTYPES[dtype]
         self.backend = backend
         self.model: CausalLM = load_model(model_config, self.dtype, device)
+        # Whether the model runs on kernels.cpu, or why not: for the start-up log.
+        self.cpu_kernels = self._use_cpu_kernels() if cpu_kernels else "off"
         self.groups: list[KVCacheGroup] = self.model.kv_cache_groups(model_config, dtype)
         layer_to_group = [0] * model_config.num_layers
         for gi, g in enumerate(self.groups):
@@ -48,6 +53,16 @@ class ModelRunner:
         rope = [self.model.cached_key_rope(i) for i in range(model_config.num_layers)]
         self.key_rope: list[RopeLayout] | None = None if None in rope else rope
         self.graphs: DecodeGraphs | None = None
+
+    def _use_cpu_kernels(self) -> str:
+        if self.device.type != "cpu":
+            return f"not on CPU ({self.device})"
+        if self.dtype != torch.float32:
+            return f"not for {self.dtype}"
+        why = cpu.load()
+        if why is not None:
+            return f"unavailable, {why}"
+        return f"on ({use_cpu_kernels(self.model)} modules)"
 
     def graphs_unavailable(self) -> str | None:
         """Why decode steps cannot run from CUDA graphs here, or None when they can."""

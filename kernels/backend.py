@@ -2,7 +2,9 @@
 
 A backend owns every operation on the paged cache: writing new K/V, prefill and decode
 attention, re-rotating cached keys after a context shift, and copying whole blocks (swap).
-``torch`` is the plain reference and the CPU path; ``triton`` runs the Triton kernels on CUDA.
+``torch`` is the plain reference; ``cpu`` is it with the C++ decode kernels of ``kernels.cpu``
+(float32 caches; the default on CPU where they build); ``triton`` runs the Triton kernels on
+CUDA.
 Shapes are those of ``kernels.reference``.
 """
 
@@ -103,6 +105,36 @@ class TorchBackend(AttentionBackend):
         rotate_reference(cache, blocks, delta, layout)
 
 
+class CpuBackend(TorchBackend):
+    """The torch reference, with decode attention and cache writes by the C++ kernels."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        from kernels import cpu
+
+        why = cpu.load()
+        if why is not None:
+            raise RuntimeError(f"the cpu attention backend is unavailable: {why}")
+        self._cpu = cpu
+
+    def write_cache(self, cache, rows, slots):
+        if self._cpu.usable(cache) and cache.stride(2) == cache.shape[3]:
+            self._cpu.write_cache(cache, rows, slots)
+        else:
+            reference.write_cache(cache, rows, slots)
+
+    def plan_decode(self, block_tables, seq_lens, block_size, window):
+        return None
+
+    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, window, plan=None):
+        if self._cpu.usable(k_cache):
+            return self._cpu.decode_attention(
+                q, k_cache, v_cache, block_tables, seq_lens, scale, window
+            )
+        return super().decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window)
+
+
 class TritonBackend(AttentionBackend):
     name = "triton"
     capturable = True
@@ -131,17 +163,28 @@ class TritonBackend(AttentionBackend):
         self._rotate(cache, blocks, delta, layout)
 
 
-BACKENDS: dict[str, type[AttentionBackend]] = {b.name: b for b in (TorchBackend, TritonBackend)}
+BACKENDS: dict[str, type[AttentionBackend]] = {
+    b.name: b for b in (TorchBackend, CpuBackend, TritonBackend)
+}
 
 
 def backend_names() -> tuple[str, ...]:
     return tuple(BACKENDS)
 
 
+def default_backend(device: torch.device) -> str:
+    """triton on CUDA; on CPU, cpu where its kernels build, else torch."""
+    if device.type == "cuda":
+        return "triton"
+    from kernels import cpu
+
+    return "cpu" if cpu.load() is None else "torch"
+
+
 def get_backend(name: str | None, device: torch.device) -> AttentionBackend:
-    """The backend called ``name``, or the device's own when None: triton on CUDA, else torch."""
+    """The backend called ``name``, or the device's own (``default_backend``) when None."""
     if name is None:
-        name = "triton" if device.type == "cuda" else "torch"
+        name = default_backend(device)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {backend_names()}")
     return BACKENDS[name]()

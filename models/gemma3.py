@@ -74,13 +74,12 @@ class Gemma3Attention(LlamaAttention):
         self.scale = cfg.get("query_pre_attn_scalar", self.head_dim) ** -0.5
 
     def forward(self, x, cos, sin, ctx: ForwardContext):
-        t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.project(x)
+        q, k = self.q_norm(q), self.k_norm(k)
+        rope = self.fused_rope
+        q, k = apply_rope(q, cos, sin, rope), apply_rope(k, cos, sin, rope)
         out = ctx.attention(self.layer_id, q, k, v, self.scale)
-        return self.o_proj(out.reshape(t, -1))
+        return self.o_proj(out.reshape(x.shape[0], -1))
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -1,4 +1,10 @@
-"""Building blocks shared by the model definitions."""
+"""Building blocks shared by the model definitions.
+
+Each block is plain torch, the reference. ``use_cpu_kernels(model)`` switches a loaded float32
+CPU model onto the C++ kernels of ``kernels.cpu``: linear layers become ``FastLinear``, blocks
+with a ``use_cpu_kernels`` method switch themselves (fusing projections that read the same
+input into one weight), and the parameters keep their names and values.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,9 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels import cpu
+from kernels.cpu import FastLinear
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -18,13 +27,20 @@ ACTIVATIONS = {
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32; ``offset=1`` for models that store the weight as w - 1."""
 
+    fused = False
+
     def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
         self.eps = eps
         self.offset = offset
         self.weight = nn.Parameter(torch.ones(dim) if offset == 0 else torch.zeros(dim))
 
+    def use_cpu_kernels(self) -> None:
+        self.fused = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and cpu.usable(x):
+            return cpu.rms_norm(x, self.weight, self.eps, self.offset)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (self.weight.float() + self.offset)).to(x.dtype)
@@ -36,15 +52,56 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, inter: int, activation: str = "silu", bias: bool = False):
         super().__init__()
+        self.gate_up: FastLinear | None = None  # gate and up fused, after use_cpu_kernels
         if activation not in ACTIVATIONS:
             raise ValueError(f"unsupported MLP activation {activation!r}")
+        self.activation = activation
         self.act = ACTIVATIONS[activation]
         self.gate_proj = nn.Linear(hidden, inter, bias=bias)
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
+    def use_cpu_kernels(self) -> None:
+        """Gate and up as one [2 * inter, hidden] weight, and the activation fused."""
+        self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
+
     def forward(self, x):
+        if self.gate_up is not None and cpu.usable(x):
+            return self.down_proj(cpu.gated_act(self.gate_up(x), self.activation))
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def fuse_linears(*linears: nn.Linear) -> FastLinear:
+    """One FastLinear computing the concatenated outputs of ``linears`` (same input): their
+    weights (and biases) become views into its weight, so nothing is stored twice."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([m.bias.detach() for m in linears]) if has_bias else None
+    start = 0
+    for m in linears:
+        n = m.out_features
+        m.weight = nn.Parameter(weight[start : start + n], requires_grad=False)
+        if has_bias:
+            m.bias = nn.Parameter(bias[start : start + n], requires_grad=False)
+        start += n
+    return FastLinear(weight, bias)
+
+
+def use_cpu_kernels(model: nn.Module) -> int:
+    """Switch a float32 CPU model onto ``kernels.cpu`` (which must be loaded): blocks switch
+    themselves, then every remaining nn.Linear becomes a FastLinear. Returns how many modules
+    changed."""
+    changed = 0
+    for module in list(model.modules()):
+        if hasattr(module, "use_cpu_kernels"):
+            module.use_cpu_kernels()
+            changed += 1
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and cpu.usable(child.weight):
+                setattr(parent, name, FastLinear(child.weight, child.bias))
+                changed += 1
+    return changed
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -66,8 +123,12 @@ def rope_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by position; cos/sin [T, D]."""
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False
+) -> torch.Tensor:
+    """x [T, H, D] rotated by position; cos/sin [T, D]. ``fused``: by the CPU kernel."""
+    if fused and cpu.usable(x):
+        return cpu.rope(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]

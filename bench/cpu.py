@@ -1,0 +1,298 @@
+"""CPU serving speed next to its roofline, and next to the peers on the same box.
+
+    python -m bench.cpu [--model smollm2-135m-instruct] [--prompts 16] [--concurrency 1 8]
+        [--servers kvserve llama.cpp-f32 llama.cpp-q4_1 vllm-cpu-fp32] [--out PREFIX]
+    python -m bench.cpu --linear [--rows 1 2 4 8 16 32 64 128]
+
+Measures the box's memory read bandwidth (a sum over 1 GiB, all torch threads), then starts each
+server alone, waits for /health, and drives it with the same client (``bench.loadtest``: random
+prompts of --input-len tokens, --output-len tokens each, ignore_eos), one pass per concurrency.
+Peers come from ``../shared/peers/setup.sh`` (under ``$PEERS``, default /tmp/peers) and are
+skipped when absent. Per server: decode tok/s of one stream (1000 / mean TPOT), its fraction
+of the roofline (read bandwidth / weight bytes read per step), mean TTFT of one stream, and the
+total output tok/s at each higher concurrency. Compare figures of the same run only: the
+box's bandwidth moves from run to run.
+
+``--linear`` times the linear layers of the model's shapes alone: ``kernels.cpu.linear`` against
+``F.linear`` by input rows (where ``kernels.cpu.MAX_ROWS`` comes from).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from bench.kernel_speed import Timer, read_bandwidth
+from bench.loadtest import BenchConfig, run_benchmark
+from kernels import cpu
+from models.config import ModelConfig
+from models.fetch import resolve_model
+
+PEERS = Path(os.environ.get("PEERS", "/tmp/peers"))
+SERVERS = ("kvserve", "llama.cpp-f32", "llama.cpp-q4_1", "vllm-cpu-fp32")
+
+
+@dataclass
+class Server:
+    name: str
+    model: str  # the name clients ask for
+    weights: str  # what each decode step reads: "fp32", "Q4_1"
+    command: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def servers(model_dir: Path, port: int, kvserve_args: list[str]) -> dict[str, Server | str]:
+    """Each server by name, or why it cannot run here."""
+    threads = str(os.cpu_count())
+    kv = Path(sys.executable).with_name("kvserve")
+    found: dict[str, Server | str] = {
+        "kvserve": Server("kvserve", "kvserve", "fp32", [
+            str(kv), "serve", "--model", str(model_dir), "--served-model-name", "kvserve",
+            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", *kvserve_args,
+        ]),
+    }  # fmt: skip
+    llama = PEERS / "llama-build/bin/llama-server"
+    for name, gguf, weights in (("llama.cpp-f32", "smollm2-f32.gguf", "fp32"),
+                                ("llama.cpp-q4_1", "smollm2-q4_1.gguf", "Q4_1")):  # fmt: skip
+        path = PEERS / "gguf" / gguf
+        if not llama.exists() or not path.exists():
+            found[name] = f"not set up ({llama}, {path}): run ../shared/peers/setup.sh"
+            continue
+        found[name] = Server(name, "smollm2", weights, [
+            str(llama), "-m", str(path), "--alias", "smollm2", "--host", "127.0.0.1", "--port",
+            str(port), "-c", "4096", "-np", "8", "-t", threads,
+        ])  # fmt: skip
+    vllm = PEERS / "vllm"
+    if vllm.exists():
+        found["vllm-cpu-fp32"] = Server("vllm-cpu-fp32", "smollm2", "fp32", [
+            str(vllm), "serve", str(PEERS / "smollm2-hf"), "--served-model-name", "smollm2",
+            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
+            "--dtype", "float32",
+        ], {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_KVCACHE_SPACE": "2"})
+    else:
+        found["vllm-cpu-fp32"] = f"not set up ({vllm}): run ../shared/peers/setup.sh"
+    return found
+
+
+def weight_bytes(model_dir: Path) -> tuple[int, int]:
+    """(bytes read per decode step at fp32, at Q4_1): every matrix once; the embedding table
+    only when it is also the output layer (tied)."""
+    cfg = ModelConfig.from_dir(model_dir)
+    tied = cfg.get("tie_word_embeddings", False)
+    numel = 0
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name.endswith("embed_tokens.weight") and not tied:
+                    continue
+                shape = f.get_slice(name).get_shape()
+                numel += int(torch.Size(shape).numel())
+    return numel * 4, numel * 20 // 32  # Q4_1: 20 bytes per block of 32 weights
+
+
+def box_bandwidth(gib: float = 1.0) -> float:
+    """Bytes/s of a sum over ``gib`` GiB of float32, median of 7 (torch threads)."""
+    return read_bandwidth(Timer("cpu", repeats=7, warmup=2), "cpu", int(gib * 2**30))
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    return False
+
+
+def run_server(server: Server, port: int, args: argparse.Namespace, log_dir: Path) -> dict:
+    log = log_dir / f"{server.name}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            server.command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **server.env},
+        )  # fmt: skip
+    root = f"http://127.0.0.1:{port}"
+    try:
+        if not _wait_healthy(root, proc):
+            return {"error": f"did not start (see {log})"}
+        time.sleep(2)  # let start-up work (warm-up, compilation) settle
+        passes = {}
+        for c in args.concurrency:
+            config = BenchConfig(
+                base_url=root + "/v1", model=server.model, num_prompts=args.prompts,
+                max_concurrency=c, input_len=args.input_len, output_len=args.output_len,
+                ignore_eos=True, scrape_interval_s=0, seed=args.seed,
+            )  # fmt: skip
+            s = asyncio.run(run_benchmark(config)).summary
+            passes[c] = dict(
+                output_tok_s=s.output_throughput, ttft_ms=s.ttft.mean_ms,
+                tpot_ms=s.tpot.mean_ms, failed=s.failed, completed=s.completed,
+            )  # fmt: skip
+        return passes
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def table(results: dict, bandwidth: float, step_bytes: dict[str, int], conc: list[int]) -> str:
+    higher = [c for c in conc if c != 1]
+    head = ["server (weights)", "1 stream decode tok/s", "% of roofline", "TTFT ms"]
+    head += [f"{c} concurrent total tok/s" for c in higher]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, r in results.items():
+        if "error" in r:
+            lines.append(f"| {name} | {r['error']} |" + " |" * (len(head) - 2))
+            continue
+        one = r["passes"].get(1)
+        tok_s = 1000 / one["tpot_ms"] if one and one["tpot_ms"] else None
+        roof = bandwidth / step_bytes[r["weights"]]
+        cells = [f"{name} ({r['weights']})", _f(tok_s), _f(tok_s and 100 * tok_s / roof),
+                 _f(one and one["ttft_ms"])]  # fmt: skip
+        cells += [_f(r["passes"][c]["output_tok_s"]) for c in higher]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _f(v) -> str:
+    return "–" if v is None else f"{v:.1f}"
+
+
+def bench_servers(args: argparse.Namespace) -> int:
+    model_dir = resolve_model(args.model)
+    fp32, q4 = weight_bytes(model_dir)
+    step_bytes = {"fp32": fp32, "Q4_1": q4}
+    available = servers(model_dir, args.port, args.kvserve_args)
+    bandwidth = [box_bandwidth()]
+    print(f"box: {os.cpu_count()} cores, {platform.processor() or platform.machine()}; read "
+          f"bandwidth {bandwidth[0] / 1e9:.1f} GB/s; fp32 weights read per step "
+          f"{fp32 / 1e6:.0f} MB (roofline {bandwidth[0] / fp32:.1f} tok/s)", flush=True)  # fmt: skip
+    log_dir = Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for name in args.servers:
+        server = available[name]
+        if isinstance(server, str):
+            print(f"{name}: skipped, {server}", flush=True)
+            continue
+        start = time.perf_counter()
+        passes = run_server(server, args.port, args, log_dir)
+        results[name] = {"weights": server.weights, "passes": passes} if "error" not in passes \
+            else {"weights": server.weights, **passes}  # fmt: skip
+        print(f"{name}: {passes} ({time.perf_counter() - start:.0f} s)", flush=True)
+        bandwidth.append(box_bandwidth())
+    bw = statistics.median(bandwidth)
+    text = table(results, bw, step_bytes, args.concurrency)
+    print(f"\nread bandwidth {bw / 1e9:.1f} GB/s (median of {len(bandwidth)} measurements, "
+          f"{min(bandwidth) / 1e9:.1f}–{max(bandwidth) / 1e9:.1f}); {args.prompts} prompts of "
+          f"{args.input_len} tokens, {args.output_len} out, per pass\n\n{text}")  # fmt: skip
+    if args.out:
+        _write(args, results, bandwidth, step_bytes, text)
+    return 0
+
+
+def bench_linear(args: argparse.Namespace) -> int:
+    """kernels.cpu.linear against F.linear on the model's matrices, by input rows."""
+    why = cpu.load()
+    if why is not None:
+        print(f"kernels.cpu unavailable: {why}")
+        return 1
+    cfg = ModelConfig.from_dir(resolve_model(args.model))
+    h, inter = cfg.hidden_size, cfg.hf["intermediate_size"]
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    shapes = [(qkv, h), (h, cfg.num_heads * cfg.head_dim), (2 * inter, h), (h, inter)]
+    weights = [torch.randn(n, k) for _ in range(cfg.num_layers) for n, k in shapes]
+    nbytes = sum(w.numel() * 4 for w in weights)
+    timer = Timer("cpu", repeats=7, warmup=1)
+    print(f"{len(weights)} matrices, {nbytes / 1e6:.0f} MB; read bandwidth "
+          f"{box_bandwidth() / 1e9:.1f} GB/s; {torch.get_num_threads()} threads")  # fmt: skip
+    print("| rows | kernel ms | kernel GB/s | kernel GFLOP/s | F.linear ms | F.linear GFLOP/s |")
+    print("|---|---|---|---|---|---|")
+    for m in args.rows:
+        xs = {k: torch.randn(m, k) for _, k in shapes}
+        ours = timer(lambda: [cpu.linear(xs[w.shape[1]], w) for w in weights])
+        ref = timer(lambda: [F.linear(xs[w.shape[1]], w) for w in weights])
+        flops = nbytes / 2 * m
+        print(f"| {m} | {ours * 1e3:.1f} | {nbytes / ours / 1e9:.1f} | {flops / ours / 1e9:.1f} "
+              f"| {ref * 1e3:.1f} | {flops / ref / 1e9:.1f} |")  # fmt: skip
+    return 0
+
+
+def _write(args, results, bandwidth, step_bytes, text: str) -> None:
+    stamp = datetime.now(timezone.utc)
+    command = "python -m bench.cpu " + " ".join(sys.argv[1:])
+    meta = {
+        "date": stamp.isoformat(timespec="seconds"), "command": command,
+        "box": f"{os.cpu_count()} cores, {_cpu_model()}", "torch": torch.__version__,
+        "python": platform.python_version(), "read_bandwidth_gb_s": [b / 1e9 for b in bandwidth],
+        "weight_bytes_per_step": step_bytes, "config": {k: v for k, v in vars(args).items()},
+    }  # fmt: skip
+    prefix = Path(args.out)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    prefix.with_suffix(".json").write_text(json.dumps({**meta, "results": results}, indent=2))
+    md = [f"# CPU serving speed, {stamp:%Y-%m-%d}", "", f"- box: {meta['box']}",
+          f"- torch {meta['torch']}, Python {meta['python']}", f"- command: `{command}`",
+          f"- read bandwidth: {statistics.median(bandwidth) / 1e9:.1f} GB/s (median of "
+          f"{len(bandwidth)}: {', '.join(f'{b / 1e9:.1f}' for b in bandwidth)})", "", text, ""]  # fmt: skip
+    prefix.with_suffix(".md").write_text("\n".join(md))
+    print(f"wrote {prefix}.md and .json")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--servers", nargs="+", default=list(SERVERS), choices=SERVERS)
+    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--prompts", type=int, default=16, help="requests per pass")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=8199)
+    p.add_argument("--kvserve-args", nargs=argparse.REMAINDER, default=[],
+                   help="the rest of the line goes to `kvserve serve`")  # fmt: skip
+    p.add_argument("--log-dir", default="/tmp/kvserve-bench-cpu")
+    p.add_argument("--out", help="write PREFIX.md and PREFIX.json")
+    p.add_argument("--linear", action="store_true", help="time the linear layers alone")
+    p.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return bench_linear(args) if args.linear else bench_servers(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""float32 CPU kernels for decode, in C++ with AVX2 (``csrc/cpu_kernels.cpp``).
+
+A decode step multiplies a few activation rows by every weight matrix, so its cost is reading
+the weights once. torch's CPU GEMM (MKL) reaches a fraction of the read bandwidth at those
+shapes on AMD processors and gets slower, not faster, with a second thread; ``linear`` streams
+each weight row once per step across torch's intra-op threads. Around it, one call each replaces
+the chains of small torch operations that otherwise cost more than the matmuls at batch 1:
+paged decode attention read straight from the block pool, cache writes, RMSNorm, rotary
+embedding and gated activations. Their plain torch counterparts (``kernels.reference``,
+``models.layers``) stay the reference the tests compare with.
+
+The library is built on first use with the system C++ compiler and cached by torch (under
+``$TORCH_EXTENSIONS_DIR``, default ~/.cache/torch_extensions); ``load()`` says why not when it
+cannot be, and the torch path serves instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+# Input rows up to which ``FastLinear`` takes the kernel; above, F.linear (MKL), which is as
+# fast once a GEMM is compute-bound (measured by ``python -m bench.cpu --linear``).
+MAX_ROWS = 64
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+@functools.cache
+def load() -> str | None:
+    """Build (once per source version) and load the kernels: None when loaded, else why not."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"not on x86-64 ({platform.machine()})"
+    missing = {"avx2", "fma"} - _cpu_flags()
+    if missing:
+        return f"the CPU lacks {', '.join(sorted(missing))}"
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(
+            name="kvserve_cpu",
+            sources=[str(SOURCE)],
+            extra_cflags=FLAGS,
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, a failed build: the torch path serves
+        return f"the CPU kernels did not build ({type(e).__name__}: {str(e).strip()[-300:]})"
+    return None
+
+
+def _ops():
+    return torch.ops.kvserve_cpu
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``F.linear`` for float32, weight contiguous [out, in]."""
+    return _ops().linear(x, weight, bias)
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int):
+    """As ``reference.decode_attention``, without gathering the context first."""
+    return _ops().decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window)
+
+
+def write_cache(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    _ops().write_cache(cache, rows, slots)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    return _ops().rms_norm(x, weight, eps, offset)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated in the half-split layout; cos/sin [T, D]."""
+    return _ops().rope(x, cos, sin)
+
+
+def gated_act(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(h[..., :I]) * h[..., I:] for h [..., 2I]; ``activation`` a transformers name."""
+    return _ops().gated_act(h, ACTIVATIONS[activation])
+
+
+def usable(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype == torch.float32
+
+
+class FastLinear(nn.Module):
+    """``F.linear(x, weight, bias)``, by the kernel for inputs of at most ``max_rows`` rows.
+
+    Given an nn.Linear's parameters it holds the same objects (names and ties are kept); given
+    plain tensors (a fused weight) they stay plain attributes, not parameters of the model."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int = MAX_ROWS):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight, self.bias = weight, bias
+        self.max_rows = max_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= self.max_rows * self.in_features:
+            return linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"

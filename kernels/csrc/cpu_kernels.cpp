@@ -1,0 +1,357 @@
+// float32 CPU kernels for decode (AVX2 + FMA): linear layers at the memory bandwidth of the
+// weights, paged decode attention read straight from the block pool, and the small fused
+// operations around them (RMSNorm, rotary embedding, gated activations, cache writes).
+// Each has a plain torch counterpart (kernels.reference, models.layers) that tests compare.
+//
+// Linear: decode multiplies a few activation rows by every weight matrix, so the work is
+// reading the weights once. Each thread owns a contiguous run of output features and reads its
+// weight rows front to back, once; longer inputs (short prefill chunks) reuse register tiles.
+// Weights stay in nn.Linear's own [out, in] layout, shared with torch.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <vector>
+#include <torch/library.h>
+
+namespace {
+
+constexpr int64_t NR = 4;  // weight rows per tile of the many-row path
+constexpr int64_t FEW = 4;  // up to this many rows, each weight row is streamed alone
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Few rows: y[m] = dot(x[m], w) for m < MR, one weight row read front to back. MR * U
+// independent accumulators keep enough loads in flight to saturate memory.
+template <int MR, int U>
+inline void stream_row(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
+  __m256 acc[MR][U];
+  for (int m = 0; m < MR; ++m)
+    for (int u = 0; u < U; ++u) acc[m][u] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 * U <= K; k += 8 * U)
+    for (int u = 0; u < U; ++u) {
+      const __m256 wv = _mm256_loadu_ps(w + k + 8 * u);
+      for (int m = 0; m < MR; ++m)
+        acc[m][u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8 * u), wv, acc[m][u]);
+    }
+  for (; k + 8 <= K; k += 8) {
+    const __m256 wv = _mm256_loadu_ps(w + k);
+    for (int m = 0; m < MR; ++m)
+      acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), wv, acc[m][0]);
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int u = 1; u < U; ++u) acc[m][0] = _mm256_add_ps(acc[m][0], acc[m][u]);
+    float s = hsum(acc[m][0]);
+    for (int64_t kk = k; kk < K; ++kk) s += x[m * K + kk] * w[kk];
+    y[m * ldy] = s;
+  }
+}
+
+void few_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t n0, int64_t n1,
+              float* y, int64_t N) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* wn = w + n * K;
+    int64_t m = 0;
+    for (; M - m >= 8; m += 8) stream_row<8, 1>(x + m * K, K, wn, y + m * N + n, N);
+    if (M - m >= 4) {
+      stream_row<4, 3>(x + m * K, K, wn, y + m * N + n, N);
+      m += 4;
+    }
+    switch (M - m) {
+      case 3: stream_row<3, 2>(x + m * K, K, wn, y + m * N + n, N); break;
+      case 2: stream_row<2, 4>(x + m * K, K, wn, y + m * N + n, N); break;
+      case 1: stream_row<1, 8>(x + m * K, K, wn, y + m * N + n, N); break;
+    }
+  }
+}
+
+// Many rows: out[m][r] = dot(x[m], w[r]) for m < MR, r < nr (nr <= NR); each loaded vector
+// feeds several FMAs, and the NR weight rows are reused from L1 for every group of MR rows.
+template <int MR>
+inline void tile(const float* x, int64_t K, const float* w, int64_t nr, float* out,
+                 int64_t ldo) {
+  __m256 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
+  const float* wr[NR];
+  for (int r = 0; r < NR; ++r) wr[r] = w + (r < nr ? r : 0) * K;
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
+    for (int r = 0; r < NR; ++r) {
+      const __m256 wv = _mm256_loadu_ps(wr[r] + k);
+      for (int m = 0; m < MR; ++m) acc[m][r] = _mm256_fmadd_ps(xv[m], wv, acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < nr; ++r) {
+      float s = hsum(acc[m][r]);
+      for (int64_t kk = k; kk < K; ++kk) s += x[m * K + kk] * wr[r][kk];
+      out[m * ldo + r] = s;
+    }
+}
+
+void many_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t n0, int64_t n1,
+               float* y, int64_t N) {
+  for (int64_t n = n0; n < n1; n += NR) {
+    const int64_t nr = std::min(NR, n1 - n);
+    const float* wn = w + n * K;
+    int64_t m = 0;
+    for (; m + 3 <= M; m += 3) tile<3>(x + m * K, K, wn, nr, y + m * N + n, N);
+    if (M - m == 2) tile<2>(x + m * K, K, wn, nr, y + m * N + n, N);
+    if (M - m == 1) tile<1>(x + m * K, K, wn, nr, y + m * N + n, N);
+  }
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
+              "kvserve::linear takes float32");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "weight must be a contiguous [out, in] matrix");
+  const int64_t K = w.size(1), N = w.size(0);
+  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight takes ", K);
+  auto xc = x.reshape({-1, K}).contiguous();
+  const int64_t M = xc.size(0);
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = at::empty({M, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // Each thread takes a contiguous run of output features (NR-aligned).
+  const int64_t tiles = (N + NR - 1) / NR;
+  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+    const int64_t n0 = t0 * NR, n1 = std::min(N, t1 * NR);
+    if (M <= FEW) {
+      few_rows(xp, M, K, wp, n0, n1, yp, N);
+    } else {
+      many_rows(xp, M, K, wp, n0, n1, yp, N);
+    }
+  });
+  if (b.has_value() && b->defined()) y.add_(*b);
+  return y.view(sizes);
+}
+
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8)
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  float s = hsum(_mm256_add_ps(acc0, acc1));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y += a * x over n floats.
+inline void axpy(float a, const float* x, float* y, int64_t n) {
+  const __m256 av = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32");
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+}
+
+// Paged decode attention: one query token per sequence, its context read through the block
+// table (ring of W blocks with a window) from caches of any row stride (MLA's value is a view
+// of its key rows). q [B, Hq, Dk] -> [B, Hq, Dv]; softmax in float32, as the reference.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale, int64_t window) {
+  check_f32(q, "q");
+  check_f32(k_cache, "k_cache");
+  check_f32(v_cache, "v_cache");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block tables and lengths must be int32");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "cache rows must be dense");
+  auto qc = q.contiguous();
+  auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  const int64_t B = qc.size(0), Hq = qc.size(1), Dk = qc.size(2);
+  const int64_t Hkv = k_cache.size(2), Dv = v_cache.size(3), bs = k_cache.size(1);
+  const int64_t W = tables.size(1), G = Hq / Hkv;
+  TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(3) == Dk, "head shapes do not match the cache");
+  auto out = at::empty({B, Hq, Dv}, qc.options());
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks2 = k_cache.stride(2);
+  const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
+  const float sc = static_cast<float>(scale);
+  // One unit per (sequence, query head): balanced across threads even at batch 1.
+  at::parallel_for(0, B * Hq, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<float> scores;
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b = u / Hq, h = (u % Hq) / G;
+      const int64_t len = lp[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t span = len - first;
+      scores.resize(span);
+      const float* qu = qp + u * Dk;
+      float* ou = op + u * Dv;
+      float mx = -INFINITY;
+      for (int64_t i = 0; i < span; ++i) {
+        const int64_t pos = first + i;
+        const int64_t logical = window > 0 ? (pos / bs) % W : pos / bs;
+        const int64_t blk = tp[b * W + logical];
+        scores[i] = dot(qu, kp + blk * ks0 + (pos % bs) * ks1 + h * ks2, Dk) * sc;
+        mx = std::max(mx, scores[i]);
+      }
+      float total = 0.f;
+      for (int64_t i = 0; i < span; ++i) total += (scores[i] = std::exp(scores[i] - mx));
+      std::fill_n(ou, Dv, 0.f);
+      for (int64_t i = 0; i < span; ++i) {
+        const int64_t pos = first + i;
+        const int64_t logical = window > 0 ? (pos / bs) % W : pos / bs;
+        const int64_t blk = tp[b * W + logical];
+        axpy(scores[i] / total, vp + blk * vs0 + (pos % bs) * vs1 + h * vs2, ou, Dv);
+      }
+    }
+  });
+  return out;
+}
+
+// cache [N, bs, H, D] (each slot's [H, D] dense) at flat slots <- rows [T, H, D]; -1 skipped.
+void write_cache(at::Tensor cache, const at::Tensor& rows, const at::Tensor& slots) {
+  check_f32(cache, "cache");
+  TORCH_CHECK(cache.stride(3) == 1 && cache.stride(2) == cache.size(3),
+              "cache slots must be dense");
+  auto r = rows.to(at::kFloat).contiguous();
+  auto sl = slots.to(at::kLong).contiguous();
+  const int64_t T = r.size(0), row = r.numel() / std::max<int64_t>(T, 1);
+  const int64_t bs = cache.size(1);
+  TORCH_CHECK(row == cache.size(2) * cache.size(3), "rows do not match the cache's slots");
+  float* cp = cache.data_ptr<float>();
+  const float* rp = r.data_ptr<float>();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t s0 = cache.stride(0), s1 = cache.stride(1), n = cache.size(0) * bs;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = sp[t];
+    if (slot < 0) continue;
+    TORCH_CHECK(slot < n, "slot ", slot, " is outside the cache");
+    std::copy_n(rp + t * row, row, cp + (slot / bs) * s0 + (slot % bs) * s1);
+  }
+}
+
+// RMSNorm over the last dimension: x * rsqrt(mean(x^2) + eps) * (w + offset).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, double offset) {
+  check_f32(x, "x");
+  check_f32(w, "weight");
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  const int64_t D = wc.numel(), rows = xc.numel() / D;
+  TORCH_CHECK(xc.size(-1) == D, "x has ", xc.size(-1), " features, the weight ", D);
+  auto out = at::empty_like(xc);
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float off = static_cast<float>(offset);
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * D;
+      float* yr = op + r * D;
+      const float inv = 1.f / std::sqrt(dot(xr, xr, D) / D + static_cast<float>(eps));
+      for (int64_t i = 0; i < D; ++i) yr[i] = xr[i] * inv * (wp[i] + off);
+    }
+  });
+  return out;
+}
+
+// x [T, H, D] rotated by position in the half-split layout; cos/sin [T, D].
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  check_f32(x, "x");
+  auto xc = x.contiguous();
+  auto c = cos.to(at::kFloat).contiguous();
+  auto s = sin.to(at::kFloat).contiguous();
+  const int64_t T = xc.size(0), H = xc.size(1), D = xc.size(2), half = D / 2;
+  TORCH_CHECK(c.size(0) == T && c.size(1) == D, "cos/sin must be [T, head_dim]");
+  auto out = at::empty_like(xc);
+  const float* xp = xc.data_ptr<float>();
+  const float* cp = c.data_ptr<float>();
+  const float* sp = s.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T * H, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* xr = xp + i * D;
+      const float* cr = cp + (i / H) * D;
+      const float* sr = sp + (i / H) * D;
+      float* yr = op + i * D;
+      for (int64_t j = 0; j < half; ++j) {
+        yr[j] = xr[j] * cr[j] - xr[j + half] * sr[j];
+        yr[j + half] = xr[j + half] * cr[j + half] + xr[j] * sr[j + half];
+      }
+    }
+  });
+  return out;
+}
+
+// act(h[:, :I]) * h[:, I:] for h [T, 2I]; act 0 = silu, 1 = gelu (tanh approximation).
+at::Tensor gated_act(const at::Tensor& h, int64_t act) {
+  check_f32(h, "h");
+  auto hc = h.contiguous();
+  const int64_t I = hc.size(-1) / 2, rows = hc.numel() / (2 * I);
+  auto sizes = hc.sizes().vec();
+  sizes.back() = I;
+  auto out = at::empty(sizes, hc.options());
+  const float* hp = hc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* g = hp + r * 2 * I;
+      const float* u = g + I;
+      float* y = op + r * I;
+      if (act == 0) {
+        for (int64_t i = 0; i < I; ++i) y[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      } else {
+        constexpr float k = 0.7978845608028654f;  // sqrt(2 / pi)
+        for (int64_t i = 0; i < I; ++i) {
+          const float v = g[i];
+          y[i] = 0.5f * v * (1.f + std::tanh(k * (v + 0.044715f * v * v * v))) * u[i];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvserve_cpu, m) {
+  m.def("linear(Tensor x, Tensor w, Tensor? b=None) -> Tensor");
+  m.def(
+      "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor seq_lens, float scale, int window) -> Tensor");
+  m.def("write_cache(Tensor(a!) cache, Tensor rows, Tensor slots) -> ()");
+  m.def("rms_norm(Tensor x, Tensor w, float eps, float offset) -> Tensor");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("gated_act(Tensor h, int act) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("decode_attention", &decode_attention);
+  m.impl("write_cache", &write_cache);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rope", &rope);
+  m.impl("gated_act", &gated_act);
+}

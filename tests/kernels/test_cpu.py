@@ -1,0 +1,169 @@
+"""The C++ CPU kernels (kernels.cpu) against their plain torch counterparts.
+
+Every op is compared with the reference the torch path runs (kernels.reference, models.layers,
+F.linear) on shapes that cover the kernels' edge cases: row counts on both sides of the few-rows
+and tiled paths and with remainders, feature counts that are not multiples of the vector width,
+windows that wrap the block ring, a value cache that is a strided view of the key cache (MLA),
+and slots to skip. A model switched onto the kernels keeps its parameters and its outputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import cpu, reference
+from kernels.backend import get_backend
+from models.layers import ACTIVATIONS, GatedMLP, RMSNorm, apply_rope, use_cpu_kernels
+
+why = cpu.load()
+pytestmark = pytest.mark.skipif(why is not None, reason=f"kernels.cpu unavailable: {why}")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 17, 64])
+@pytest.mark.parametrize("k", [64, 72, 61])
+def test_linear_matches_f_linear(rows, k):
+    torch.manual_seed(rows * 100 + k)
+    x, w, b = torch.randn(rows, k), torch.randn(37, k), torch.randn(37)
+    torch.testing.assert_close(cpu.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(cpu.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_linear_keeps_leading_dims_and_reads_non_contiguous_input():
+    x = torch.randn(2, 3, 40)[:, :, :32]
+    w = torch.randn(24, 32)
+    assert cpu.linear(x, w).shape == (2, 3, 24)
+    torch.testing.assert_close(cpu.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_linear_refuses_other_dtypes_and_mismatched_features():
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu.linear(torch.randn(1, 8, dtype=torch.bfloat16), torch.randn(4, 8))
+    with pytest.raises(RuntimeError, match="features"):
+        cpu.linear(torch.randn(1, 9), torch.randn(4, 8))
+
+
+def _paged(lens, bs, heads, dim, window, seed):
+    """Caches holding each sequence's context through a shuffled block table; NaN elsewhere."""
+    g = torch.Generator().manual_seed(seed)
+    width = max((n + bs - 1) // bs for n in lens) if not window else (window + bs - 1) // bs + 1
+    n_blocks = len(lens) * width + 3
+    k_cache = torch.full((n_blocks, bs, heads, dim), float("nan"))
+    v_cache = torch.full((n_blocks, bs, heads, dim), float("nan"))
+    tables = torch.randperm(n_blocks, generator=g)[: len(lens) * width].view(len(lens), width)
+    for i, n in enumerate(lens):
+        first = max(0, n - window) if window else 0
+        pos = torch.arange(first, n)
+        logical = pos // bs % width if window else pos // bs
+        blocks, offsets = tables[i, logical], pos % bs
+        k_cache[blocks, offsets] = torch.randn(len(pos), heads, dim, generator=g)
+        v_cache[blocks, offsets] = torch.randn(len(pos), heads, dim, generator=g)
+    return k_cache, v_cache, tables.int(), torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "lens,hq,hkv,window",
+    [([1], 4, 4, 0), ([5, 33, 17], 9, 3, 0), ([40, 7, 64], 8, 1, 0), ([70, 9], 4, 2, 24)],
+)
+def test_decode_attention_matches_reference(lens, hq, hkv, window):
+    k_cache, v_cache, tables, seq_lens = _paged(lens, 8, hkv, 64, window, seed=len(lens))
+    q = torch.randn(len(lens), hq, 64)
+    ours = cpu.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, window)
+    ref = reference.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, window)
+    assert not ours.isnan().any()
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_reads_a_strided_value_view_as_mla_does():
+    k_cache, _, tables, seq_lens = _paged([19, 6], 4, 1, 80, 0, seed=3)
+    v_cache = k_cache[..., :64]  # the latent part of each key row
+    q = torch.randn(2, 5, 80)
+    ours = cpu.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.1, 0)
+    ref = reference.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.1, 0)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_write_cache_matches_reference_and_skips_minus_one():
+    cache, expected = torch.zeros(4, 8, 2, 16), torch.zeros(4, 8, 2, 16)
+    rows = torch.randn(5, 2, 16)
+    slots = torch.tensor([3, -1, 31, 8, -1])
+    cpu.write_cache(cache, rows, slots)
+    reference.write_cache(expected, rows, slots)
+    assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match="outside"):
+        cpu.write_cache(cache, rows[:1], torch.tensor([32]))
+
+
+def test_cpu_backend_falls_back_to_the_reference_for_other_dtypes():
+    backend = get_backend("cpu", torch.device("cpu"))
+    k_cache, v_cache, tables, seq_lens = _paged([9, 3], 4, 2, 32, 0, seed=5)
+    q = torch.randn(2, 4, 32)
+    args = (tables, seq_lens, 0.2, 0)
+    ref = reference.decode_attention(q, k_cache, v_cache, *args)
+    torch.testing.assert_close(backend.decode(q, k_cache, v_cache, *args), ref)
+    half = backend.decode(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), *args)
+    torch.testing.assert_close(half.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_matches_the_module(offset):
+    norm = RMSNorm(72, 1e-6, offset)
+    nn.init.normal_(norm.weight)
+    x = torch.randn(5, 3, 72) * 4
+    expected = norm(x)
+    norm.use_cpu_kernels()
+    torch.testing.assert_close(norm(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_matches_the_torch_rotation():
+    x = torch.randn(6, 3, 64)[:, :, :]
+    pos = torch.arange(6).float()[:, None] * torch.rand(32)[None, :]
+    cos, sin = torch.cat([pos, pos], -1).cos(), torch.cat([pos, pos], -1).sin()
+    torch.testing.assert_close(
+        apply_rope(x, cos, sin, fused=True), apply_rope(x, cos, sin), rtol=1e-5, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+def test_fused_gated_mlp_matches_the_module(activation):
+    mlp = GatedMLP(40, 56, activation, bias=True)
+    x = torch.randn(3, 40)
+    expected = mlp(x)
+    names = {n: p.clone() for n, p in mlp.named_parameters()}
+    mlp.use_cpu_kernels()
+    torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-5)
+    # The fused weight is views of it: the parameters keep their names and values.
+    assert {n: p for n, p in mlp.named_parameters()}.keys() == names.keys()
+    for n, p in mlp.named_parameters():
+        assert torch.equal(p, names[n])
+    assert mlp.gate_proj.weight.data_ptr() == mlp.gate_up.weight.data_ptr()
+
+
+def test_a_model_on_the_kernels_keeps_parameters_ties_and_logits(tiny_llama_dir):
+    from models.config import ModelConfig
+    from models.loader import load_model
+
+    cfg = ModelConfig.from_dir(tiny_llama_dir)
+    plain = load_model(cfg, torch.float32, torch.device("cpu"))
+    fast = load_model(cfg, torch.float32, torch.device("cpu"))
+    assert use_cpu_kernels(fast) > 0
+    plain_params = dict(plain.named_parameters())
+    fast_params = dict(fast.named_parameters())
+    assert plain_params.keys() == fast_params.keys()
+    for name, p in plain_params.items():
+        assert torch.equal(p, fast_params[name]), name
+    if cfg.get("tie_word_embeddings", False):
+        assert fast.lm_head.weight is fast.model.embed_tokens.weight
+    x = torch.randn(4, cfg.hidden_size)
+    layer_plain, layer_fast = plain.model.layers[0], fast.model.layers[0]
+    torch.testing.assert_close(
+        layer_fast.mlp(layer_fast.post_attention_layernorm(x)),
+        layer_plain.mlp(layer_plain.post_attention_layernorm(x)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    torch.testing.assert_close(
+        fast.compute_logits(x), plain.compute_logits(x), rtol=1e-5, atol=1e-4
+    )
