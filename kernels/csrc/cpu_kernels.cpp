@@ -102,13 +102,24 @@ inline void tile(const float* x, int64_t K, const float* w, int64_t nr, float* o
 
 void many_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t n0, int64_t n1,
                float* y, int64_t N) {
+  const int64_t groups = (M + 2) / 3;
   for (int64_t n = n0; n < n1; n += NR) {
     const int64_t nr = std::min(NR, n1 - n);
     const float* wn = w + n * K;
+    // The next tile's weight rows are requested from memory a slice per row group, so they
+    // arrive while this tile computes from L1 instead of after it.
+    const int64_t next = std::min(NR, std::max<int64_t>(0, n1 - n - NR)) * K;
+    int64_t g = 0;
     int64_t m = 0;
-    for (; m + 3 <= M; m += 3) tile<3>(x + m * K, K, wn, nr, y + m * N + n, N);
-    if (M - m == 2) tile<2>(x + m * K, K, wn, nr, y + m * N + n, N);
-    if (M - m == 1) tile<1>(x + m * K, K, wn, nr, y + m * N + n, N);
+    for (; m < M; ++g) {
+      for (int64_t i = next * g / groups; i < next * (g + 1) / groups; i += 16)
+        _mm_prefetch(reinterpret_cast<const char*>(wn + NR * K + i), _MM_HINT_T0);
+      const int64_t mr = std::min<int64_t>(3, M - m);
+      if (mr == 3) tile<3>(x + m * K, K, wn, nr, y + m * N + n, N);
+      if (mr == 2) tile<2>(x + m * K, K, wn, nr, y + m * N + n, N);
+      if (mr == 1) tile<1>(x + m * K, K, wn, nr, y + m * N + n, N);
+      m += mr;
+    }
   }
 }
 
@@ -155,13 +166,39 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// y += a * x over n floats.
-inline void axpy(float a, const float* x, float* y, int64_t n) {
-  const __m256 av = _mm256_set1_ps(a);
+// exp of 8 floats (Cephes' polynomial: relative error ~1e-7 over the range softmax uses).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)),
+                    _mm256_set1_ps(-88.3762626647949f));
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// s[i] = exp(s[i] - mx) over n floats; returns their sum.
+inline float exp_shifted(float* s, int64_t n, float mx) {
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-  for (; i < n; ++i) y[i] += a * x[i];
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), m));
+    _mm256_storeu_ps(s + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float total = hsum(acc);
+  for (; i < n; ++i) total += (s[i] = std::exp(s[i] - mx));
+  return total;
 }
 
 void check_f32(const at::Tensor& t, const char* name) {
@@ -209,22 +246,40 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
       scores.resize(span);
       const float* qu = qp + u * Dk;
       float* ou = op + u * Dv;
+      // Positions first .. len - 1 run block by block: one table lookup per block.
+      auto for_rows = [&](const float* base, int64_t s0, int64_t s1, int64_t s2, auto&& fn) {
+        for (int64_t pos = first; pos < len;) {
+          const int64_t logical = window > 0 ? (pos / bs) % W : pos / bs;
+          const int64_t off = pos % bs, n = std::min(bs - off, len - pos);
+          const float* row = base + tp[b * W + logical] * s0 + off * s1 + h * s2;
+          for (int64_t j = 0; j < n; ++j) fn(pos - first + j, row + j * s1);
+          pos += n;
+        }
+      };
       float mx = -INFINITY;
-      for (int64_t i = 0; i < span; ++i) {
-        const int64_t pos = first + i;
-        const int64_t logical = window > 0 ? (pos / bs) % W : pos / bs;
-        const int64_t blk = tp[b * W + logical];
-        scores[i] = dot(qu, kp + blk * ks0 + (pos % bs) * ks1 + h * ks2, Dk) * sc;
+      for_rows(kp, ks0, ks1, ks2, [&](int64_t i, const float* krow) {
+        scores[i] = dot(qu, krow, Dk) * sc;
         mx = std::max(mx, scores[i]);
-      }
-      float total = 0.f;
-      for (int64_t i = 0; i < span; ++i) total += (scores[i] = std::exp(scores[i] - mx));
-      std::fill_n(ou, Dv, 0.f);
-      for (int64_t i = 0; i < span; ++i) {
-        const int64_t pos = first + i;
-        const int64_t logical = window > 0 ? (pos / bs) % W : pos / bs;
-        const int64_t blk = tp[b * W + logical];
-        axpy(scores[i] / total, vp + blk * vs0 + (pos % bs) * vs1 + h * vs2, ou, Dv);
+      });
+      const float inv = 1.f / exp_shifted(scores.data(), span, mx);
+      // out = sum_i p_i v_i, 32 columns at a time held in registers.
+      for (int64_t c = 0; c < Dv; c += 32) {
+        const int64_t vecs = std::min<int64_t>(32, Dv - c) / 8;
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                         _mm256_setzero_ps()};
+        for_rows(vp + c, vs0, vs1, vs2, [&](int64_t i, const float* vrow) {
+          const __m256 p = _mm256_set1_ps(scores[i]);
+          for (int64_t j = 0; j < vecs; ++j)
+            acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + 8 * j), acc[j]);
+        });
+        for (int64_t j = 0; j < vecs; ++j)
+          _mm256_storeu_ps(ou + c + 8 * j, _mm256_mul_ps(acc[j], _mm256_set1_ps(inv)));
+        // Columns past the last multiple of 8 (head sizes are multiples of 8 in practice).
+        for (int64_t col = c + 8 * vecs; col < std::min(Dv, c + 32); ++col) {
+          float sum = 0.f;
+          for_rows(vp + col, vs0, vs1, vs2, [&](int64_t i, const float* v) { sum += scores[i] * *v; });
+          ou[col] = sum * inv;
+        }
       }
     }
   });
