@@ -235,17 +235,18 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks2 = k_cache.stride(2);
   const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
   const float sc = static_cast<float>(scale);
-  // One unit per (sequence, query head): balanced across threads even at batch 1.
-  at::parallel_for(0, B * Hq, 1, [&](int64_t u0, int64_t u1) {
+  // A unit is a (sequence, KV head) with its group of query heads, which share each K and V
+  // row read; when those are too few to occupy the threads, each query head is a unit.
+  const int64_t split = B * Hkv >= 2 * at::get_num_threads() ? 1 : G, per = G / split;
+  at::parallel_for(0, B * Hkv * split, 1, [&](int64_t u0, int64_t u1) {
     std::vector<float> scores;
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t b = u / Hq, h = (u % Hq) / G;
+      const int64_t b = u / (Hkv * split), h = u / split % Hkv;
+      const int64_t hq0 = h * G + u % split * per;  // first query head of the unit
       const int64_t len = lp[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t span = len - first;
-      scores.resize(span);
-      const float* qu = qp + u * Dk;
-      float* ou = op + u * Dv;
+      scores.resize(per * span);
       // Positions first .. len - 1 run block by block: one table lookup per block.
       auto for_rows = [&](const float* base, int64_t s0, int64_t s1, int64_t s2, auto&& fn) {
         for (int64_t pos = first; pos < len;) {
@@ -256,29 +257,34 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
           pos += n;
         }
       };
-      float mx = -INFINITY;
+      const float* qu = qp + (b * Hq + hq0) * Dk;
       for_rows(kp, ks0, ks1, ks2, [&](int64_t i, const float* krow) {
-        scores[i] = dot(qu, krow, Dk) * sc;
-        mx = std::max(mx, scores[i]);
+        for (int64_t g = 0; g < per; ++g) scores[g * span + i] = dot(qu + g * Dk, krow, Dk) * sc;
       });
-      const float inv = 1.f / exp_shifted(scores.data(), span, mx);
-      // out = sum_i p_i v_i, 32 columns at a time held in registers.
-      for (int64_t c = 0; c < Dv; c += 32) {
-        const int64_t vecs = std::min<int64_t>(32, Dv - c) / 8;
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                         _mm256_setzero_ps()};
-        for_rows(vp + c, vs0, vs1, vs2, [&](int64_t i, const float* vrow) {
-          const __m256 p = _mm256_set1_ps(scores[i]);
+      for (int64_t g = 0; g < per; ++g) {
+        float* sg = scores.data() + g * span;
+        float* ou = op + (b * Hq + hq0 + g) * Dv;
+        float mx = -INFINITY;
+        for (int64_t i = 0; i < span; ++i) mx = std::max(mx, sg[i]);
+        const float inv = 1.f / exp_shifted(sg, span, mx);
+        // out = sum_i p_i v_i, 32 columns at a time held in registers.
+        for (int64_t c = 0; c < Dv; c += 32) {
+          const int64_t vecs = std::min<int64_t>(32, Dv - c) / 8;
+          __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                           _mm256_setzero_ps()};
+          for_rows(vp + c, vs0, vs1, vs2, [&](int64_t i, const float* vrow) {
+            const __m256 p = _mm256_set1_ps(sg[i]);
+            for (int64_t j = 0; j < vecs; ++j)
+              acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + 8 * j), acc[j]);
+          });
           for (int64_t j = 0; j < vecs; ++j)
-            acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + 8 * j), acc[j]);
-        });
-        for (int64_t j = 0; j < vecs; ++j)
-          _mm256_storeu_ps(ou + c + 8 * j, _mm256_mul_ps(acc[j], _mm256_set1_ps(inv)));
-        // Columns past the last multiple of 8 (head sizes are multiples of 8 in practice).
-        for (int64_t col = c + 8 * vecs; col < std::min(Dv, c + 32); ++col) {
-          float sum = 0.f;
-          for_rows(vp + col, vs0, vs1, vs2, [&](int64_t i, const float* v) { sum += scores[i] * *v; });
-          ou[col] = sum * inv;
+            _mm256_storeu_ps(ou + c + 8 * j, _mm256_mul_ps(acc[j], _mm256_set1_ps(inv)));
+          // Columns past the last multiple of 8 (head sizes are multiples of 8 in practice).
+          for (int64_t col = c + 8 * vecs; col < std::min(Dv, c + 32); ++col) {
+            float sum = 0.f;
+            for_rows(vp + col, vs0, vs1, vs2, [&](int64_t i, const float* v) { sum += sg[i] * *v; });
+            ou[col] = sum * inv;
+          }
         }
       }
     }
