@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	# The CPU wheel; an unpinned torch would pull the CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev,bench]'
+	# Build the C++ CPU kernels once (cached by torch); says why not where they cannot be.
+	$(PY) -c "from kernels import cpu; print('CPU kernels:', cpu.load() or 'built')"
 	touch $@
 
 install: $(STAMP)

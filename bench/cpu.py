@@ -10,8 +10,9 @@ prompts of --input-len tokens, --output-len tokens each, ignore_eos), one pass p
 Peers come from ``../shared/peers/setup.sh`` (under ``$PEERS``, default /tmp/peers) and are
 skipped when absent. Per server: decode tok/s of one stream (1000 / mean TPOT), its fraction
 of the roofline (read bandwidth / weight bytes read per step), mean TTFT of one stream, and the
-total output tok/s at each higher concurrency. Compare figures of the same run only: the
-box's bandwidth moves from run to run.
+total output tok/s at each higher concurrency. Each pass draws its own prompts (seed +
+concurrency), so no server answers from a prompt cache filled by an earlier pass. Compare
+figures of the same run only: the box's bandwidth moves from run to run.
 
 ``--linear`` times the linear layers of the model's shapes alone: ``kernels.cpu.linear`` against
 ``F.linear`` by input rows (where ``kernels.cpu.MAX_ROWS`` comes from).
@@ -29,7 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -84,7 +85,8 @@ def servers(model_dir: Path, port: int, kvserve_args: list[str]) -> dict[str, Se
             str(vllm), "serve", str(PEERS / "smollm2-hf"), "--served-model-name", "smollm2",
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
             "--dtype", "float32",
-        ], {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_KVCACHE_SPACE": "2"})
+        ], {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
+            "VLLM_CPU_KVCACHE_SPACE": "2"})  # fmt: skip
     else:
         found["vllm-cpu-fp32"] = f"not set up ({vllm}): run ../shared/peers/setup.sh"
     return found
@@ -140,7 +142,7 @@ def run_server(server: Server, port: int, args: argparse.Namespace, log_dir: Pat
             config = BenchConfig(
                 base_url=root + "/v1", model=server.model, num_prompts=args.prompts,
                 max_concurrency=c, input_len=args.input_len, output_len=args.output_len,
-                ignore_eos=True, scrape_interval_s=0, seed=args.seed,
+                ignore_eos=True, scrape_interval_s=0, seed=args.seed + c,
             )  # fmt: skip
             s = asyncio.run(run_benchmark(config)).summary
             passes[c] = dict(
@@ -186,9 +188,12 @@ def bench_servers(args: argparse.Namespace) -> int:
     step_bytes = {"fp32": fp32, "Q4_1": q4}
     available = servers(model_dir, args.port, args.kvserve_args)
     bandwidth = [box_bandwidth()]
-    print(f"box: {os.cpu_count()} cores, {platform.processor() or platform.machine()}; read "
-          f"bandwidth {bandwidth[0] / 1e9:.1f} GB/s; fp32 weights read per step "
-          f"{fp32 / 1e6:.0f} MB (roofline {bandwidth[0] / fp32:.1f} tok/s)", flush=True)  # fmt: skip
+    print(
+        f"box: {os.cpu_count()} cores, {_cpu_model()}; read bandwidth {bandwidth[0] / 1e9:.1f} "
+        f"GB/s; fp32 weights read per step {fp32 / 1e6:.0f} MB (roofline "
+        f"{bandwidth[0] / fp32:.1f} tok/s)",
+        flush=True,
+    )
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     results = {}
@@ -232,8 +237,8 @@ def bench_linear(args: argparse.Namespace) -> int:
     print("|---|---|---|---|---|---|")
     for m in args.rows:
         xs = {k: torch.randn(m, k) for _, k in shapes}
-        ours = timer(lambda: [cpu.linear(xs[w.shape[1]], w) for w in weights])
-        ref = timer(lambda: [F.linear(xs[w.shape[1]], w) for w in weights])
+        ours = timer(lambda xs=xs: [cpu.linear(xs[w.shape[1]], w) for w in weights])
+        ref = timer(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights])
         flops = nbytes / 2 * m
         print(f"| {m} | {ours * 1e3:.1f} | {nbytes / ours / 1e9:.1f} | {flops / ours / 1e9:.1f} "
               f"| {ref * 1e3:.1f} | {flops / ref / 1e9:.1f} |")  # fmt: skip
@@ -255,7 +260,8 @@ def _write(args, results, bandwidth, step_bytes, text: str) -> None:
     md = [f"# CPU serving speed, {stamp:%Y-%m-%d}", "", f"- box: {meta['box']}",
           f"- torch {meta['torch']}, Python {meta['python']}", f"- command: `{command}`",
           f"- read bandwidth: {statistics.median(bandwidth) / 1e9:.1f} GB/s (median of "
-          f"{len(bandwidth)}: {', '.join(f'{b / 1e9:.1f}' for b in bandwidth)})", "", text, ""]  # fmt: skip
+          f"{len(bandwidth)}: {', '.join(f'{b / 1e9:.1f}' for b in bandwidth)})",
+          "", text, ""]  # fmt: skip
     prefix.with_suffix(".md").write_text("\n".join(md))
     print(f"wrote {prefix}.md and .json")
 

@@ -72,8 +72,9 @@ class EngineArgs:
         None, "attention kernels", choices=backend_names(), when_none="by device"
     )
     cpu_kernels: bool = setting(
-        True, "C++ kernels for float32 on x86 CPUs with AVX2 (linear layers, decode attention, "
-        "norms, rotary embedding), built on first use; off: plain torch"
+        True,
+        "C++ kernels for float32 on x86 CPUs with AVX2 (linear layers, decode attention, "
+        "norms, rotary embedding), built on first use; off: plain torch",
     )
     enforce_eager: bool = setting(
         False, "run every step eagerly: no CUDA graphs for decode steps (CUDA only)"

@@ -17,7 +17,9 @@ cannot be, and the torch path serves instead.
 from __future__ import annotations
 
 import functools
+import os
 import platform
+import shutil
 from pathlib import Path
 
 import torch
@@ -52,6 +54,10 @@ def load() -> str | None:
     try:
         from torch.utils import cpp_extension
 
+        if shutil.which("ninja") is None:  # the ninja package's binary, outside an active venv
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         cpp_extension.load(
             name="kvserve_cpu",
             sources=[str(SOURCE)],

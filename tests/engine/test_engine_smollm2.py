@@ -20,17 +20,22 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def llm(smollm2_dir):
+def _llm(path, **kw) -> LLM:
     # A small token budget forces the long prompt through several prefill chunks while the
     # others decode in the same steps.
     return LLM(
-        str(smollm2_dir),
+        str(path),
         max_model_len=1024,
         num_kv_blocks=160,
         block_size=16,
         max_num_batched_tokens=96,
+        **kw,
     )
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_dir):
+    return _llm(smollm2_dir)
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +47,17 @@ def hf_model(smollm2_dir):
 
 
 def test_concurrent_greedy_tokens_equal_transformers(llm, hf_model):
+    _assert_equal_transformers(llm, hf_model)
+
+
+def test_the_plain_torch_path_equals_transformers_too(smollm2_dir, hf_model):
+    plain = _llm(smollm2_dir, cpu_kernels=False)
+    assert plain.engine.runner.cpu_kernels == "off"
+    assert plain.engine.runner.backend.name == "torch"
+    _assert_equal_transformers(plain, hf_model)
+
+
+def _assert_equal_transformers(llm, hf_model):
     prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     assert len(prompt_ids[3]) > 3 * 96  # really chunked
     params = SamplingParams(max_tokens=32, temperature=0, logprobs=0)
