@@ -30,7 +30,7 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 # Input rows up to which ``FastLinear`` takes the kernel; above, F.linear (MKL), which is as
 # fast once a GEMM is compute-bound (measured by ``python -m bench.cpu --linear``).
-MAX_ROWS = 64
+MAX_ROWS = 128
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}
 
 

@@ -384,14 +384,22 @@ at::Tensor gated_act(const at::Tensor& h, int64_t act) {
       const float* g = hp + r * 2 * I;
       const float* u = g + I;
       float* y = op + r * I;
-      if (act == 0) {
-        for (int64_t i = 0; i < I; ++i) y[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-      } else {
-        constexpr float k = 0.7978845608028654f;  // sqrt(2 / pi)
-        for (int64_t i = 0; i < I; ++i) {
-          const float v = g[i];
-          y[i] = 0.5f * v * (1.f + std::tanh(k * (v + 0.044715f * v * v * v))) * u[i];
-        }
+      // silu(v) = v / (1 + exp(-v)); gelu_tanh(v) = v / (1 + exp(-2k(v + 0.044715 v^3))),
+      // k = sqrt(2 / pi) (0.5 (1 + tanh(z)) is 1 / (1 + exp(-2z))).
+      const __m256 one = _mm256_set1_ps(1.f), c0 = _mm256_set1_ps(-1.5957691216057308f),
+                   c1 = _mm256_set1_ps(0.044715f);
+      int64_t i = 0;
+      for (; i + 8 <= I; i += 8) {
+        const __m256 v = _mm256_loadu_ps(g + i);
+        __m256 z = _mm256_sub_ps(_mm256_setzero_ps(), v);
+        if (act != 0) z = _mm256_mul_ps(c0, _mm256_fmadd_ps(_mm256_mul_ps(c1, v), _mm256_mul_ps(v, v), v));
+        const __m256 a = _mm256_div_ps(v, _mm256_add_ps(one, exp8(z)));
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(a, _mm256_loadu_ps(u + i)));
+      }
+      for (; i < I; ++i) {
+        const float v = g[i];
+        const float z = act == 0 ? -v : -1.5957691216057308f * (v + 0.044715f * v * v * v);
+        y[i] = v / (1.f + std::exp(z)) * u[i];
       }
     }
   });
