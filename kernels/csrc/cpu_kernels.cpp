@@ -250,18 +250,31 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t span = len - first;
       scores.resize(per * span);
-      // Positions first .. len - 1 run block by block: one table lookup per block.
-      auto for_rows = [&](const float* base, int64_t s0, int64_t s1, int64_t s2, auto&& fn) {
-        for (int64_t pos = first; pos < len;) {
+      // Positions first .. len - 1 run block by block: one table lookup per block. The cache
+      // has usually left the CPU caches since the layer's last step (the weights streamed
+      // through them), so the next block's rows are requested while this one is read.
+      auto for_rows = [&](const float* base, int64_t s0, int64_t s1, int64_t s2, int64_t d,
+                          auto&& fn) {
+        auto block_of = [&](int64_t pos) {
           const int64_t logical = window > 0 ? (pos / bs) % W : pos / bs;
+          return base + tp[b * W + logical] * s0 + h * s2;
+        };
+        for (int64_t pos = first; pos < len;) {
           const int64_t off = pos % bs, n = std::min(bs - off, len - pos);
-          const float* row = base + tp[b * W + logical] * s0 + off * s1 + h * s2;
-          for (int64_t j = 0; j < n; ++j) fn(pos - first + j, row + j * s1);
+          const float* rows = block_of(pos);
+          if (pos + n < len) {
+            const char* next = reinterpret_cast<const char*>(block_of(pos + n));
+            const int64_t m = std::min(bs, len - pos - n);
+            for (int64_t j = 0; j < m; ++j)
+              for (int64_t c = 0; c < d * 4; c += 64)
+                _mm_prefetch(next + j * s1 * 4 + c, _MM_HINT_T0);
+          }
+          for (int64_t j = 0; j < n; ++j) fn(pos - first + j, rows + (off + j) * s1);
           pos += n;
         }
       };
       const float* qu = qp + (b * Hq + hq0) * Dk;
-      for_rows(kp, ks0, ks1, ks2, [&](int64_t i, const float* krow) {
+      for_rows(kp, ks0, ks1, ks2, Dk, [&](int64_t i, const float* krow) {
         for (int64_t g = 0; g < per; ++g) scores[g * span + i] = dot(qu + g * Dk, krow, Dk) * sc;
       });
       for (int64_t g = 0; g < per; ++g) {
@@ -275,7 +288,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
           const int64_t vecs = std::min<int64_t>(32, Dv - c) / 8;
           __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                            _mm256_setzero_ps()};
-          for_rows(vp + c, vs0, vs1, vs2, [&](int64_t i, const float* vrow) {
+          for_rows(vp + c, vs0, vs1, vs2, std::min<int64_t>(32, Dv - c), [&](int64_t i, const float* vrow) {
             const __m256 p = _mm256_set1_ps(sg[i]);
             for (int64_t j = 0; j < vecs; ++j)
               acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + 8 * j), acc[j]);
@@ -285,7 +298,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
           // Columns past the last multiple of 8 (head sizes are multiples of 8 in practice).
           for (int64_t col = c + 8 * vecs; col < std::min(Dv, c + 32); ++col) {
             float sum = 0.f;
-            for_rows(vp + col, vs0, vs1, vs2, [&](int64_t i, const float* v) { sum += sg[i] * *v; });
+            for_rows(vp + col, vs0, vs1, vs2, 1, [&](int64_t i, const float* v) { sum += sg[i] * *v; });
             ou[col] = sum * inv;
           }
         }
