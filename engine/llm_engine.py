@@ -56,10 +56,7 @@ class LLMEngine:
         self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
         eos = tuple(dict.fromkeys(tokenizer_eos + self.model_config.eos_token_ids))
-        backend_name = args.attention_backend
-        if backend_name is None and self.device.type == "cpu" and not args.cpu_kernels:
-            backend_name = "torch"
-        backend = get_backend(backend_name, self.device)
+        backend = get_backend(args.attention_backend, self.device, args.cpu_kernels)
         self.runner = ModelRunner(
             self.model_config, dtype, self.device, backend, args.seed, eos, args.cpu_kernels
         )

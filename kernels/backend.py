@@ -172,19 +172,21 @@ def backend_names() -> tuple[str, ...]:
     return tuple(BACKENDS)
 
 
-def default_backend(device: torch.device) -> str:
-    """triton on CUDA; on CPU, cpu where its kernels build, else torch."""
+def default_backend(device: torch.device, cpu_kernels: bool = True) -> str:
+    """triton on CUDA; on CPU, cpu where its kernels are wanted and build, else torch."""
     if device.type == "cuda":
         return "triton"
     from kernels import cpu
 
-    return "cpu" if cpu.load() is None else "torch"
+    return "cpu" if cpu_kernels and cpu.load() is None else "torch"
 
 
-def get_backend(name: str | None, device: torch.device) -> AttentionBackend:
+def get_backend(
+    name: str | None, device: torch.device, cpu_kernels: bool = True
+) -> AttentionBackend:
     """The backend called ``name``, or the device's own (``default_backend``) when None."""
     if name is None:
-        name = default_backend(device)
+        name = default_backend(device, cpu_kernels)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {backend_names()}")
     return BACKENDS[name]()

@@ -39,7 +39,7 @@ class RMSNorm(nn.Module):
         self.fused = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and cpu.usable(x):
+        if self.fused:
             return cpu.rms_norm(x, self.weight, self.eps, self.offset)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -66,7 +66,7 @@ class GatedMLP(nn.Module):
         self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x):
-        if self.gate_up is not None and cpu.usable(x):
+        if self.gate_up is not None:
             return self.down_proj(cpu.gated_act(self.gate_up(x), self.activation))
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
@@ -90,7 +90,7 @@ def fuse_linears(*linears: nn.Linear) -> FastLinear:
 def use_cpu_kernels(model: nn.Module) -> int:
     """Switch a float32 CPU model onto ``kernels.cpu`` (which must be loaded): blocks switch
     themselves, then every remaining nn.Linear becomes a FastLinear. Returns how many modules
-    changed."""
+    changed. Only for float32 CPU models: the switched blocks no longer check their inputs."""
     changed = 0
     for module in list(model.modules()):
         if hasattr(module, "use_cpu_kernels"):
@@ -127,7 +127,7 @@ def apply_rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False
 ) -> torch.Tensor:
     """x [T, H, D] rotated by position; cos/sin [T, D]. ``fused``: by the CPU kernel."""
-    if fused and cpu.usable(x):
+    if fused:
         return cpu.rope(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
