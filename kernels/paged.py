@@ -38,6 +38,20 @@ class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # one (k, v) per layer
     layer_to_group: tuple[int, ...]
 
+    def decode_only(self, layer_id: int):
+        """``(k_cache, v_cache, metadata)`` of the layer when this step is decodes only, its
+        cache float32 and the backend ``cpu``: what ``kernels.cpu``'s fused decoder layers need
+        (they write and read the cache themselves). None otherwise."""
+        meta = self.metadata[self.layer_to_group[layer_id]]
+        k_cache, v_cache = self.kv_caches[layer_id]
+        if (
+            self.backend.name != "cpu"
+            or meta.num_decodes != meta.slot_mapping.shape[0]
+            or k_cache.dtype != torch.float32
+        ):
+            return None
+        return k_cache, v_cache, meta
+
     def attention(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:

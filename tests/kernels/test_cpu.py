@@ -141,14 +141,19 @@ def test_fused_gated_mlp_matches_the_module(activation):
     assert mlp.gate_proj.weight.data_ptr() == mlp.gate_up.weight.data_ptr()
 
 
-def test_a_model_on_the_kernels_keeps_parameters_ties_and_logits(tiny_llama_dir):
+def _plain_and_fast(model_dir):
     from models.config import ModelConfig
     from models.loader import load_model
 
-    cfg = ModelConfig.from_dir(tiny_llama_dir)
+    cfg = ModelConfig.from_dir(model_dir)
     plain = load_model(cfg, torch.float32, torch.device("cpu"))
     fast = load_model(cfg, torch.float32, torch.device("cpu"))
     assert use_cpu_kernels(fast) > 0
+    return cfg, plain, fast
+
+
+def test_a_model_on_the_kernels_keeps_parameters_ties_and_logits(tiny_llama_dir):
+    cfg, plain, fast = _plain_and_fast(tiny_llama_dir)
     plain_params = dict(plain.named_parameters())
     fast_params = dict(fast.named_parameters())
     assert plain_params.keys() == fast_params.keys()
@@ -167,3 +172,34 @@ def test_a_model_on_the_kernels_keeps_parameters_ties_and_logits(tiny_llama_dir)
     torch.testing.assert_close(
         fast.compute_logits(x), plain.compute_logits(x), rtol=1e-5, atol=1e-4
     )
+
+
+@pytest.mark.parametrize("lens", [[1], [5, 33, 17, 8]])
+def test_a_fused_decoder_layer_matches_the_modules_and_writes_the_same_cache(tiny_llama_dir, lens):
+    from kernels.paged import AttentionMetadata, ForwardContext
+    from models.layers import rope_cos_sin
+
+    cfg, plain, fast = _plain_and_fast(tiny_llama_dir)
+    bs, n_layers, b = 8, cfg.num_layers, len(lens)
+    k_cache, v_cache, tables, seq_lens = _paged(lens, bs, cfg.num_kv_heads, cfg.head_dim, 0, 11)
+    pos = seq_lens.long() - 1  # each sequence's new token
+    slots = tables[torch.arange(b), pos // bs].long() * bs + pos % bs
+    meta = AttentionMetadata(
+        slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, prefix_lens=seq_lens - 1,
+        cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32), num_decodes=b,
+    )  # fmt: skip
+    groups = (0,) * n_layers
+
+    def run(model, backend):
+        caches = [(k_cache.clone(), v_cache.clone()) for _ in range(n_layers)]
+        ctx = ForwardContext(get_backend(backend, torch.device("cpu")), [meta], caches, groups)
+        x = torch.randn(b, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+        cos, sin = rope_cos_sin(pos, model.inv_freq, torch.float32)
+        return model.model.layers[1](x, cos, sin, ctx), caches[1], ctx
+
+    out_plain, cache_plain, _ = run(plain, "torch")
+    out_fast, cache_fast, ctx = run(fast, "cpu")
+    assert fast.model.layers[1].fused and ctx.decode_only(1) is not None
+    torch.testing.assert_close(out_fast, out_plain, rtol=1e-4, atol=1e-4)
+    for ours, ref in zip(cache_fast, cache_plain):
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
