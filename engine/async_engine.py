@@ -38,18 +38,29 @@ class EngineRequest:
 
 
 class AsyncEngine:
+    engine: LLMEngine  # built and then stepped by the engine thread
+
     def __init__(self, args: EngineArgs):
-        self.engine = LLMEngine(args)
+        # The engine is built in its own thread, which then runs every step: all of torch's
+        # work stays on one thread and so one OpenMP thread team. A second team (from loading
+        # on the caller's thread) leaves more OpenMP threads than cores, and OpenMP then stops
+        # spinning between parallel regions: each op pays a wake-up.
+        self._stopping = threading.Event()
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        built: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(
+            target=self._run, args=(args, built), name="kvserve-engine", daemon=True
+        )
+        self._thread.start()
+        error = built.get()
+        if error is not None:
+            raise error
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.cache_config = self.engine.cache_config
         self.model_name = self.engine.model_config.name
-        self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stopping = threading.Event()
         self.last_beat = time.monotonic()  # the engine thread's last sign of progress
-        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
-        self._thread.start()
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.engine.validate(prompt_token_ids, params)
@@ -169,7 +180,14 @@ class AsyncEngine:
         for _ in range(self._commands.qsize()):
             self._handle(self._commands.get_nowait())
 
-    def _run(self) -> None:
+    def _run(self, args: EngineArgs, built: queue.Queue) -> None:
+        try:
+            self.engine = LLMEngine(args)
+        except BaseException as e:  # raised again on the caller's thread
+            built.put(e)
+            return
+        self.last_beat = time.monotonic()
+        built.put(None)
         while not self._stopping.is_set():
             self._take_commands()
             self.last_beat = time.monotonic()
