@@ -84,13 +84,39 @@ class Sampler:
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
         probs = torch.softmax(row, dim=-1)
+        ids = None
         if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            drop = sorted_probs.cumsum(0) - sorted_probs > p.top_p  # keep the first over top_p
-            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+            probs, ids = _top_p(probs, p.top_p)
         if p.min_p > 0:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        return int(torch.multinomial(probs, 1, generator=gen))
+        i = _draw(probs, gen)
+        return i if ids is None else int(ids[i])
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The most likely tokens until their mass reaches ``top_p`` (the one crossing it kept):
+    their probabilities, descending, and ids. Sorts only as many candidates as it takes (a full
+    sort of a large vocabulary costs more on a CPU than the decode step's attention)."""
+    k, n = 64, probs.shape[0]
+    while True:
+        k = min(k, n)
+        values, ids = probs.topk(k)
+        before = values.cumsum(0) - values
+        if k == n or before[-1] > top_p:
+            keep = before <= top_p
+            return values[keep], ids[keep]
+        k *= 8
+
+
+def _draw(probs: torch.Tensor, gen: torch.Generator) -> int:
+    """An index drawn with probability proportional to ``probs`` (non-negative, some positive),
+    by inverting the cumulative sum (``torch.multinomial`` is ~20x slower over a vocabulary)."""
+    cdf = probs.cumsum(0)
+    u = torch.rand(1, generator=gen, device=probs.device, dtype=cdf.dtype) * cdf[-1]
+    i = int(torch.searchsorted(cdf, u, right=True))
+    if i >= probs.shape[0]:  # u rounded up to the total: the last token with any mass
+        i = int(probs.nonzero()[-1])
+    return i
 
 
 def _has_penalty(p: SamplingParams) -> bool:
