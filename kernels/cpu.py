@@ -102,14 +102,15 @@ def gated_act(h: torch.Tensor, activation: str) -> torch.Tensor:
     return _ops().gated_act(h, ACTIVATIONS[activation])
 
 
-def llama_decode_layer(x, cos, sin, weights: tuple, k_cache, v_cache, meta, config: tuple):
-    """A Llama decoder layer for a step of decodes only, in one call: ``weights`` (norm1, qkv
-    weight and bias, o weight and bias, norm2, gate_up weight, down weight), ``meta`` the layer's
-    ``AttentionMetadata``, ``config`` (eps, scale, num_heads, activation code)."""
-    eps, scale, heads, act = config
-    return _ops().llama_decode_layer(
+def decoder_layer(x, cos, sin, weights: tuple, k_cache, v_cache, meta, config: tuple):
+    """A pre-norm decoder layer for a step of decodes only, in one call (see the C++ source):
+    ``weights`` norm1, qkv weight and bias, q_norm, k_norm, o weight and bias, post-attention
+    norm, norm2, gate_up weight, down weight, post-MLP norm (optional ones None); ``meta`` the
+    layer's ``AttentionMetadata``; ``config`` (eps, norm offset, scale, num_heads, activation)."""
+    eps, offset, scale, heads, act = config
+    return _ops().decoder_layer(
         x, cos, sin, *weights, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
-        meta.seq_lens, eps, scale, heads, act, meta.window,
+        meta.seq_lens, eps, offset, scale, heads, ACTIVATIONS[act], meta.window,
     )  # fmt: skip
 
 

@@ -19,7 +19,7 @@ from kernels.paged import ForwardContext
 from kernels.rotary import RopeLayout
 from models.config import ModelConfig
 from models.kv_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
-from models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin
+from models.layers import DecoderLayer, GatedMLP, RMSNorm, apply_rope, rope_cos_sin
 from models.llama import LlamaAttention
 from models.loader import load_by_name
 
@@ -82,7 +82,7 @@ class Gemma3Attention(LlamaAttention):
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(DecoderLayer):
     def __init__(self, cfg: ModelConfig, layer_id: int, kind: str):
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
@@ -96,7 +96,18 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(h, eps, offset=1.0)
         self.post_feedforward_layernorm = RMSNorm(h, eps, offset=1.0)
 
+    def norms(self):
+        return (
+            self.input_layernorm,
+            self.pre_feedforward_layernorm,
+            self.post_attention_layernorm,
+            self.post_feedforward_layernorm,
+        )
+
     def forward(self, x, cos, sin, ctx):
+        out = self.fused_decode(x, cos, sin, ctx)
+        if out is not None:
+            return out
         attn = self.self_attn(self.input_layernorm(x), cos, sin, ctx)
         x = x + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(x))

@@ -8,6 +8,7 @@ input into one weight), and the parameters keep their names and values.
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 
 import torch
@@ -69,6 +70,49 @@ class GatedMLP(nn.Module):
         if self.gate_up is not None:
             return self.down_proj(cpu.gated_act(self.gate_up(x), self.activation))
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm decoder layer (``self_attn``, ``mlp`` a GatedMLP) that, once switched to the
+    CPU kernels, runs a step of decodes only as one call of ``cpu.decoder_layer``. Subclasses
+    name their norms in ``norms()`` and start ``forward`` with ``fused_decode``."""
+
+    fused = False
+
+    def norms(self) -> tuple[RMSNorm, RMSNorm, RMSNorm | None, RMSNorm | None]:
+        """Before attention, before the MLP, after attention, after the MLP (None: absent)."""
+        raise NotImplementedError
+
+    def use_cpu_kernels(self) -> None:
+        self.fused = self.mlp.down_proj.bias is None
+
+    @functools.cached_property
+    def _fused_args(self) -> tuple[tuple, tuple]:
+        """The weights and constants of ``cpu.decoder_layer`` (built after the blocks switched)."""
+        a, mlp = self.self_attn, self.mlp
+        norm1, norm2, post_attn, post_mlp = self.norms()
+        q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+
+        def w(m):
+            return None if m is None else m.weight
+
+        weights = (
+            norm1.weight, a.qkv_proj.weight, a.qkv_proj.bias, w(q_norm), w(k_norm),
+            a.o_proj.weight, a.o_proj.bias, w(post_attn), norm2.weight, mlp.gate_up.weight,
+            mlp.down_proj.weight, w(post_mlp),
+        )  # fmt: skip
+        return weights, (norm1.eps, norm1.offset, a.scale, a.num_heads, mlp.activation)
+
+    def fused_decode(self, x, cos, sin, ctx) -> torch.Tensor | None:
+        """The layer's output by one kernel call when switched and this step is decodes only
+        (``ctx.decode_only``); None when the modules must run."""
+        if not self.fused or x.shape[0] > cpu.MAX_ROWS:
+            return None
+        decode = ctx.decode_only(self.self_attn.layer_id)
+        if decode is None:
+            return None
+        weights, config = self._fused_args
+        return cpu.decoder_layer(x, cos, sin, weights, *decode, config)
 
 
 def fuse_linears(*linears: nn.Linear) -> FastLinear:

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
-from kernels import cpu
 from kernels.cpu import FastLinear
 from kernels.paged import ForwardContext
 from kernels.rotary import RopeLayout
 from models.config import ModelConfig
 from models.kv_spec import FullAttentionSpec, KVCacheGroup
 from models.layers import (
+    DecoderLayer,
     GatedMLP,
     RMSNorm,
     apply_rope,
@@ -66,9 +64,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
-class LlamaDecoderLayer(nn.Module):
-    fused = False  # after use_cpu_kernels: steps of decodes only run as one kernel call
-
+class LlamaDecoderLayer(DecoderLayer):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
@@ -82,27 +78,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
 
-    def use_cpu_kernels(self) -> None:
-        self.fused = self.mlp.down_proj.bias is None and self.mlp.activation in cpu.ACTIVATIONS
-
-    @functools.cached_property
-    def _fused(self) -> tuple[tuple, tuple]:
-        """The weights and constants of ``cpu.llama_decode_layer`` (once the blocks switched)."""
-        a, mlp = self.self_attn, self.mlp
-        weights = (
-            self.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight,
-            a.o_proj.bias, self.post_attention_layernorm.weight, mlp.gate_up.weight,
-            mlp.down_proj.weight,
-        )  # fmt: skip
-        eps = self.input_layernorm.eps
-        return weights, (eps, a.scale, a.num_heads, cpu.ACTIVATIONS[mlp.activation])
+    def norms(self):
+        return self.input_layernorm, self.post_attention_layernorm, None, None
 
     def forward(self, x, cos, sin, ctx):
-        if self.fused and x.shape[0] <= cpu.MAX_ROWS:
-            decode = ctx.decode_only(self.self_attn.layer_id)
-            if decode is not None:
-                weights, config = self._fused
-                return cpu.llama_decode_layer(x, cos, sin, weights, *decode, config)
+        out = self.fused_decode(x, cos, sin, ctx)
+        if out is not None:
+            return out
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -419,30 +419,40 @@ at::Tensor gated_act(const at::Tensor& h, int64_t act) {
   return out;
 }
 
-// One Llama-style decoder layer for a step of decodes only (one new token per sequence):
-// x + attn(norm1(x)), then + mlp(norm2(.)), by the kernels above in one call, so the layer costs
-// one dispatch instead of a dozen. The composition mirrors the modules of models/llama.py,
-// which stay the reference; slots, block tables and lengths are those of the layer's group.
-at::Tensor llama_decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                              const at::Tensor& norm1, const at::Tensor& qkv_w,
-                              const c10::optional<at::Tensor>& qkv_b, const at::Tensor& o_w,
-                              const c10::optional<at::Tensor>& o_b, const at::Tensor& norm2,
-                              const at::Tensor& gate_up_w, const at::Tensor& down_w,
-                              at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
-                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              double eps, double scale, int64_t num_heads, int64_t act,
-                              int64_t window) {
+// One pre-norm decoder layer for a step of decodes only (one new token per sequence), by the
+// kernels above in one call, so that the layer costs one dispatch instead of a dozen:
+//   h = x + [post_attn_norm](o_proj(attention(rope([q|k]_norm(qkv_proj(norm1(x)))))))
+//   y = h + [post_mlp_norm](down(act(gate) * up)(norm2(h)))
+// Bracketed norms are optional (Gemma 3 has them, Llama not); all norms share eps and offset.
+// It mirrors the modules of models/llama.py and models/gemma3.py, which stay the reference;
+// slots, block tables and lengths are those of the layer's cache group.
+at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& norm1, const at::Tensor& qkv_w,
+                         const c10::optional<at::Tensor>& qkv_b,
+                         const c10::optional<at::Tensor>& q_norm,
+                         const c10::optional<at::Tensor>& k_norm, const at::Tensor& o_w,
+                         const c10::optional<at::Tensor>& o_b,
+                         const c10::optional<at::Tensor>& post_attn_norm,
+                         const at::Tensor& norm2, const at::Tensor& gate_up_w,
+                         const at::Tensor& down_w, const c10::optional<at::Tensor>& post_mlp_norm,
+                         at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
+                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double eps,
+                         double offset, double scale, int64_t num_heads, int64_t act,
+                         int64_t window) {
   const int64_t B = x.size(0), Hkv = k_cache.size(2), D = k_cache.size(3);
   const int64_t nq = num_heads * D, nkv = Hkv * D;
-  auto qkv = ::linear(::rms_norm(x, norm1, eps, 0.0), qkv_w, qkv_b);
-  auto q = ::rope(qkv.narrow(1, 0, nq).view({B, num_heads, D}), cos, sin);
-  auto k = ::rope(qkv.narrow(1, nq, nkv).view({B, Hkv, D}), cos, sin);
+  auto norm = [&](const at::Tensor& t, const c10::optional<at::Tensor>& w) {
+    return w.has_value() && w->defined() ? ::rms_norm(t, *w, eps, offset) : t;
+  };
+  auto qkv = ::linear(::rms_norm(x, norm1, eps, offset), qkv_w, qkv_b);
+  auto q = ::rope(norm(qkv.narrow(1, 0, nq).view({B, num_heads, D}), q_norm), cos, sin);
+  auto k = ::rope(norm(qkv.narrow(1, nq, nkv).view({B, Hkv, D}), k_norm), cos, sin);
   ::write_cache(k_cache, k, slots);
   ::write_cache(v_cache, qkv.narrow(1, nq + nkv, nkv).view({B, Hkv, D}), slots);
   auto attn = ::decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window);
-  auto h = ::linear(attn.view({B, nq}), o_w, o_b).add_(x);
-  auto g = ::gated_act(::linear(::rms_norm(h, norm2, eps, 0.0), gate_up_w, {}), act);
-  return ::linear(g, down_w, {}).add_(h);
+  auto h = norm(::linear(attn.view({B, nq}), o_w, o_b), post_attn_norm).add_(x);
+  auto g = ::gated_act(::linear(::rms_norm(h, norm2, eps, offset), gate_up_w, {}), act);
+  return norm(::linear(g, down_w, {}), post_mlp_norm).add_(h);
 }
 
 }  // namespace
@@ -457,10 +467,12 @@ TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("gated_act(Tensor h, int act) -> Tensor");
   m.def(
-      "llama_decode_layer(Tensor x, Tensor cos, Tensor sin, Tensor norm1, Tensor qkv_w, "
-      "Tensor? qkv_b, Tensor o_w, Tensor? o_b, Tensor norm2, Tensor gate_up_w, Tensor down_w, "
-      "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor block_tables, "
-      "Tensor seq_lens, float eps, float scale, int num_heads, int act, int window) -> Tensor");
+      "decoder_layer(Tensor x, Tensor cos, Tensor sin, Tensor norm1, Tensor qkv_w, "
+      "Tensor? qkv_b, Tensor? q_norm, Tensor? k_norm, Tensor o_w, Tensor? o_b, "
+      "Tensor? post_attn_norm, Tensor norm2, Tensor gate_up_w, Tensor down_w, "
+      "Tensor? post_mlp_norm, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
+      "Tensor block_tables, Tensor seq_lens, float eps, float offset, float scale, "
+      "int num_heads, int act, int window) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
@@ -470,5 +482,5 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rope", &rope);
   m.impl("gated_act", &gated_act);
-  m.impl("llama_decode_layer", &llama_decode_layer);
+  m.impl("decoder_layer", &decoder_layer);
 }

@@ -174,32 +174,55 @@ def test_a_model_on_the_kernels_keeps_parameters_ties_and_logits(tiny_llama_dir)
     )
 
 
-@pytest.mark.parametrize("lens", [[1], [5, 33, 17, 8]])
-def test_a_fused_decoder_layer_matches_the_modules_and_writes_the_same_cache(tiny_llama_dir, lens):
-    from kernels.paged import AttentionMetadata, ForwardContext
-    from models.layers import rope_cos_sin
+@pytest.fixture(scope="module")
+def tiny_gemma3_dir(tmp_path_factory):
+    from tests.helpers import save_tiny_gemma3
 
-    cfg, plain, fast = _plain_and_fast(tiny_llama_dir)
+    path = tmp_path_factory.mktemp("tiny-gemma3")
+    save_tiny_gemma3(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "model,layer,window,lens",
+    [
+        ("llama", 1, 0, [1]),
+        ("llama", 1, 0, [5, 33, 17, 8]),
+        ("gemma3", 0, 32, [70, 9, 33]),  # a sliding-window layer over its ring
+        ("gemma3", 1, 0, [40, 2]),
+    ],
+)
+def test_a_fused_decoder_layer_matches_the_modules_and_writes_the_same_cache(
+    request, model, layer, window, lens
+):
+    from kernels.paged import AttentionMetadata, ForwardContext
+    from models.layers import rope_cos_sin, rope_inv_freq
+
+    cfg, plain, fast = _plain_and_fast(request.getfixturevalue(f"tiny_{model}_dir"))
     bs, n_layers, b = 8, cfg.num_layers, len(lens)
-    k_cache, v_cache, tables, seq_lens = _paged(lens, bs, cfg.num_kv_heads, cfg.head_dim, 0, 11)
+    k_cache, v_cache, tables, seq_lens = _paged(
+        lens, bs, cfg.num_kv_heads, cfg.head_dim, window, seed=11
+    )
     pos = seq_lens.long() - 1  # each sequence's new token
-    slots = tables[torch.arange(b), pos // bs].long() * bs + pos % bs
+    logical = pos // bs % tables.shape[1] if window else pos // bs
+    slots = tables[torch.arange(b), logical].long() * bs + pos % bs
     meta = AttentionMetadata(
         slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, prefix_lens=seq_lens - 1,
-        cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32), num_decodes=b,
+        cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32), num_decodes=b, window=window,
     )  # fmt: skip
-    groups = (0,) * n_layers
+    cos, sin = rope_cos_sin(pos, rope_inv_freq(cfg.head_dim, 1e4), torch.float32)
 
-    def run(model, backend):
+    def run(m, backend):
         caches = [(k_cache.clone(), v_cache.clone()) for _ in range(n_layers)]
-        ctx = ForwardContext(get_backend(backend, torch.device("cpu")), [meta], caches, groups)
+        ctx = ForwardContext(
+            get_backend(backend, torch.device("cpu")), [meta], caches, (0,) * n_layers
+        )
         x = torch.randn(b, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
-        cos, sin = rope_cos_sin(pos, model.inv_freq, torch.float32)
-        return model.model.layers[1](x, cos, sin, ctx), caches[1], ctx
+        return m.model.layers[layer](x, cos, sin, ctx), caches[layer], ctx
 
     out_plain, cache_plain, _ = run(plain, "torch")
     out_fast, cache_fast, ctx = run(fast, "cpu")
-    assert fast.model.layers[1].fused and ctx.decode_only(1) is not None
+    assert fast.model.layers[layer].fused and ctx.decode_only(layer) is not None
     torch.testing.assert_close(out_fast, out_plain, rtol=1e-4, atol=1e-4)
     for ours, ref in zip(cache_fast, cache_plain):
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
