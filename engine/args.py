@@ -76,6 +76,11 @@ class EngineArgs:
         "C++ kernels for float32 on x86 CPUs with AVX2 (linear layers, decode attention, "
         "norms, rotary embedding), built on first use; off: plain torch",
     )
+    enable_prefix_caching: bool = setting(
+        True,
+        "keep and share the KV blocks of identical prompt prefixes (hashed full blocks); "
+        "models with sliding-window layers are served without",
+    )
     enforce_eager: bool = setting(
         False, "run every step eagerly: no CUDA graphs for decode steps (CUDA only)"
     )

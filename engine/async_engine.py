@@ -112,6 +112,13 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    async def reset_prefix_cache(self) -> int:
+        """Forgets every cached prefix block, between steps; returns how many were cached."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._commands.put(("reset_prefix_cache", loop, done))
+        return await done
+
     def fail(self, request_id: str, error: BaseException) -> None:
         """Ends a request's stream with ``error`` now, from the event loop, whatever the engine
         thread is doing (even stuck in a step), and aborts it in the engine."""
@@ -168,6 +175,9 @@ class AsyncEngine:
             out = self.engine.abort(command[1])
             if out is not None:
                 self._deliver(command[1], out)
+        elif kind == "reset_prefix_cache":
+            _, loop, done = command
+            loop.call_soon_threadsafe(done.set_result, self.engine.reset_prefix_cache())
 
     def _take_commands(self) -> None:
         """Handles the commands queued so far (not those arriving meanwhile, which wait for

@@ -29,6 +29,7 @@ class CacheConfig:
     block_size: int
     num_blocks: tuple[int, ...]
     num_host_blocks: tuple[int, ...] = ()
+    prefix_caching: bool = False  # share and keep full blocks of identical prefixes
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(self.groups))

@@ -20,13 +20,21 @@ copies or rotations they need; the model runner performs them before the step's 
   A ring that has not filled holds every position, and drops blocks like a full table.
 - ``swap_out`` / ``swap_in``: a preempted sequence's blocks go to a host pool and come back
   into fresh device blocks, in table order (which a ring's addressing depends on).
+
+Prefix caching (``BlockPool`` keeps the cache): a sequence's full blocks of computed tokens are
+registered under chained keys of its token ids (``cache_blocks``); a new sequence starts with
+the longest run of its leading full blocks found in every group (``find_prefix``), shared with
+reference counts. A shift copies a shared block before its keys are rotated (copy-on-write),
+and a block that is rotated in place leaves the cache. A hit is a whole-prefix hit in every
+group, so it is offered only where every group holds the whole context: a sliding-window ring
+overwrites its blocks as it turns, so models with one (Gemma 3) are served without it.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
-from engine.block_pool import BlockPool
+from engine.block_pool import BlockPool, block_hash
 from engine.config import CacheConfig
 from models.kv_spec import KVCacheGroup
 
@@ -76,8 +84,77 @@ class KVCacheManager:
 
     def free(self, tables: BlockTables) -> None:
         for pool, table in zip(self.pools, tables):
-            pool.free(table)
+            pool.free(table[::-1])  # the tail is evicted first
             table.clear()
+
+    # -- prefix caching -----------------------------------------------------------------------
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.config.prefix_caching and all(g.spec.window == 0 for g in self.groups)
+
+    def block_keys(self, token_ids: list[int], keys: list[bytes]) -> list[bytes]:
+        """Extend ``keys`` (a sequence's, kept between calls) to every full block of
+        ``token_ids``."""
+        bs = self.block_size
+        for j in range(len(keys), len(token_ids) // bs):
+            keys.append(
+                block_hash(keys[-1] if keys else None, tuple(token_ids[j * bs : (j + 1) * bs]))
+            )
+        return keys
+
+    def find_prefix(self, token_ids: list[int], keys: list[bytes], max_tokens: int) -> BlockTables:
+        """The cached blocks holding the first full blocks of ``token_ids`` (at most
+        ``max_tokens`` tokens), as many in every group."""
+        bs = self.block_size
+        n = min(max_tokens // bs, len(keys))
+        found = []
+        for pool in self.pools:
+            blocks, parent = [], None
+            for j in range(n):
+                b = pool.lookup(keys[j], parent, tuple(token_ids[j * bs : (j + 1) * bs]))
+                if b is None:
+                    break
+                blocks.append(b)
+                parent = pool.ident(b)
+            found.append(blocks)
+            n = len(blocks)
+        return [blocks[:n] for blocks in found]
+
+    def take_prefix(self, tables: BlockTables, found: BlockTables) -> int:
+        """Start empty ``tables`` with the blocks ``find_prefix`` found; returns their tokens."""
+        for pool, table, blocks in zip(self.pools, tables, found):
+            for b in blocks:
+                pool.take(b)
+            table.extend(blocks)
+        return len(found[0]) * self.block_size if found else 0
+
+    def cache_blocks(
+        self, tables: BlockTables, token_ids: list[int], keys: list[bytes], num_computed: int,
+        num_registered: int,
+    ) -> int:  # fmt: skip
+        """Register the blocks full of computed tokens from block ``num_registered`` on;
+        returns how many blocks of the sequence are registered now. A block whose contents
+        another block already holds in the cache (computed alongside) is replaced by it, so
+        that the chain of parents stays findable and the copy is freed."""
+        bs = self.block_size
+        n = min(num_computed // bs, len(self.block_keys(token_ids, keys)))
+        for pool, table in zip(self.pools, tables):
+            for j in range(num_registered, n):
+                parent = pool.ident(table[j - 1]) if j else None
+                tokens = tuple(token_ids[j * bs : (j + 1) * bs])
+                found = pool.lookup(keys[j], parent, tokens)
+                if found is None:
+                    pool.register(table[j], keys[j], parent, tokens)
+                elif found != table[j] and pool.ref_counts[table[j]] == 1:
+                    pool.take(found)
+                    pool.free([table[j]])
+                    table[j] = found
+        return max(n, num_registered)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (held blocks stay with their sequences)."""
+        return sum(pool.reset_cache() for pool in self.pools)
 
     # -- context shift ------------------------------------------------------------------------
 
@@ -95,26 +172,49 @@ class KVCacheManager:
                 most = min(most, num_cached - keep - (g.spec.window - 1))
         return max(0, most // bs * bs)
 
-    def drop(self, tables: BlockTables, num_cached: int, start: int, count: int) -> BlockTables:
+    def drop(
+        self, tables: BlockTables, num_cached: int, start: int, count: int
+    ) -> tuple[BlockTables, BlockPairs]:
         """Remove tokens [start, start + count) from a sequence holding ``num_cached``.
 
-        Returns, per group, the blocks whose keys must then move ``-count`` positions.
+        Returns, per group, the blocks whose keys must then move ``-count`` positions, and the
+        copies to make first: a moved block that another sequence shares is replaced by a copy
+        (copy-on-write); one the sequence holds alone leaves the prefix cache. Raises
+        MemoryError, changing nothing, when there are no free blocks for the copies.
         """
         bs = self.block_size
         if start % bs or count % bs or not 0 < count <= self.max_discard(tables, num_cached, start):
             raise ValueError(f"cannot drop {count} tokens at {start} of {num_cached} cached")
         first, n = start // bs, count // bs
-        moved = []
         for g, pool, table in zip(self.groups, self.pools, tables):
+            if not self._ring_is_full(g, table):
+                shared = sum(pool.ref_counts[b] > 1 for b in table[first + n :])
+                freed = sum(pool.ref_counts[b] == 1 for b in table[first : first + n])
+                if shared > pool.num_free + freed:
+                    raise MemoryError("no free blocks to copy shared blocks before a shift")
+        moved, copies = [], []
+        for g, pool, table in zip(self.groups, self.pools, tables):
+            pairs = []
             if self._ring_is_full(g, table):
                 turn = n % len(table)
                 table[:] = table[turn:] + table[:turn]
+                for b in table:
+                    pool.uncache(b)
                 moved.append(list(table))
             else:
-                pool.free(table[first : first + n])
+                pool.free(table[first : first + n][::-1])
                 del table[first : first + n]
+                for i in range(first, len(table)):
+                    b = table[i]
+                    if pool.ref_counts[b] > 1:
+                        (table[i],) = pool.allocate(1)
+                        pairs.append((b, table[i]))
+                        pool.free([b])
+                    else:
+                        pool.uncache(b)
                 moved.append(table[first:])
-        return moved
+            copies.append(pairs)
+        return moved, copies
 
     # -- swapping -----------------------------------------------------------------------------
 
@@ -175,6 +275,10 @@ class KVCacheManager:
     @property
     def num_total_blocks(self) -> int:
         return sum(p.num_blocks for p in self.pools)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return sum(p.num_cached for p in self.pools)
 
     @property
     def num_free_host_blocks(self) -> int:

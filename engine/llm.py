@@ -35,6 +35,10 @@ class LLM:
                 _merge(results[delta.request_id], delta)
         return list(results.values())
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block; returns how many were cached."""
+        return self.engine.reset_prefix_cache()
+
 
 def _merge(total: RequestOutput, delta: RequestOutput) -> None:
     acc, new = total.outputs[0], delta.outputs[0]
@@ -44,3 +48,4 @@ def _merge(total: RequestOutput, delta: RequestOutput) -> None:
         acc.logprobs = (acc.logprobs or []) + new.logprobs
     acc.finish_reason, acc.stop_reason, acc.error = new.finish_reason, new.stop_reason, new.error
     total.finished = delta.finished
+    total.num_cached_tokens = delta.num_cached_tokens

@@ -90,6 +90,7 @@ class LLMEngine:
             self.max_model_len,
             context_overflow=args.context_overflow,
             preemption_mode=args.preemption_mode,
+            enable_prefix_caching=self.kv.prefix_caching,
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._queue_wait = 1.0  # recent time from arrival to scheduling, for Retry-After
@@ -107,6 +108,8 @@ class LLMEngine:
             format_capacity(self.cache_config, self.max_model_len),
         )
         swap = self.cache_config.num_host_blocks
+        if args.enable_prefix_caching and not self.kv.prefix_caching:
+            log.info("prefix caching is off: sliding-window layers overwrite their blocks")
         log.info(
             "context overflow %s; preemption by %s%s; queue %s",
             args.context_overflow,
@@ -125,7 +128,7 @@ class LLMEngine:
         host = ()
         if args.preemption_mode == "swap":
             host = split_memory(groups, int(args.swap_space_gib * GIB), args.block_size, max_len)
-        return CacheConfig(groups, args.block_size, blocks, host)
+        return CacheConfig(groups, args.block_size, blocks, host, args.enable_prefix_caching)
 
     def _kv_memory_bytes(self) -> int:
         if self.args.kv_cache_memory_gib is not None:
@@ -323,7 +326,10 @@ class LLMEngine:
             req.finish_reason,
             req.stop_reason,
         )
-        return RequestOutput(req.request_id, req.prompt_token_ids, [completion], req.finished)
+        return RequestOutput(
+            req.request_id, req.prompt_token_ids, [completion], req.finished,
+            req.num_cached_tokens,
+        )  # fmt: skip
 
     def _fail(self, reqs: list[Request], error: str) -> list[RequestOutput]:
         """Ends ``reqs`` with finish_reason "error" and the message ``error``; each gets its
@@ -349,7 +355,13 @@ class LLMEngine:
             "swap_total_blocks": self.kv.num_total_host_blocks,
             "kv_usage": self.kv.usage(),
             "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_caching": self.kv.prefix_caching,
+            "prefix_cached_blocks": self.kv.num_cached_blocks,
         }
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block; returns how many were cached."""
+        return self.scheduler.reset_prefix_cache()
 
 
 def _describe(stage: str, error: BaseException) -> str:

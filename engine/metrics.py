@@ -84,6 +84,13 @@ class EngineMetrics:
             "KV blocks copied to (out) or back from (in) the host swap pool.",
             ("direction",),
         )
+        self.prefix_queries = counter(
+            "prefix_cache_queries",
+            "Tokens looked up in the prefix cache, at each admission (preempted ones again).",
+        )
+        self.prefix_hits = counter(
+            "prefix_cache_hits", "Of the tokens looked up, those found in the prefix cache."
+        )
         self.rejected = counter(
             "requests_rejected", "Requests refused before any work, by reason.", ("reason",)
         )
@@ -125,6 +132,8 @@ class EngineMetrics:
             self.context_overflows.labels(policy).inc(n)
         for direction, n in events.swapped_blocks.items():
             self.swapped_blocks.labels(direction).inc(n)
+        self.prefix_queries.inc(events.prefix_queries)
+        self.prefix_hits.inc(events.prefix_hits)
 
     def token(self, req: Request, now: float) -> None:
         """``req`` just received a token at ``now`` (its first one when it has no earlier)."""

@@ -40,6 +40,11 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # Prefix caching: the keys of the full blocks of token_ids, how many of the sequence's
+    # blocks are registered in the cache, and the prompt tokens served from it at admission.
+    block_keys: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

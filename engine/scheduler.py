@@ -43,11 +43,13 @@ class ScheduledRequest:
 
 @dataclass
 class CacheShift:
-    """A sequence's cached keys in ``blocks`` (per group) move ``delta`` positions."""
+    """A sequence's cached keys in ``blocks`` (per group) move ``delta`` positions, after the
+    ``copies`` (per group: shared block, its private copy) are made."""
 
     request_id: str
     delta: int
     blocks: BlockTables
+    copies: BlockPairs = field(default_factory=list)
 
 
 @dataclass
@@ -78,6 +80,8 @@ class SchedulerEvents:
     preemptions: Counter = field(default_factory=Counter)  # by mode
     context_overflows: Counter = field(default_factory=Counter)  # by policy
     swapped_blocks: Counter = field(default_factory=Counter)  # by direction
+    prefix_queries: int = 0  # tokens looked up in the prefix cache at admission
+    prefix_hits: int = 0  # of which found
 
 
 class _Step:
@@ -224,8 +228,8 @@ class Scheduler:
                 break  # it just gave its blocks to a better request
             if req.status == RequestStatus.SWAPPED and step.preempted:
                 break
-            n = min(req.num_tokens - req.num_computed_tokens, step.budget)
-            if self._resume(req, n, step):
+            n = self._resume(req, step)
+            if n:
                 step.add(req, n)
                 continue
             worse = [r for r in self.running if r.priority > req.priority]
@@ -237,27 +241,49 @@ class Scheduler:
         req = self.requests.get(request_id)
         return req.status if req is not None else RequestStatus.FINISHED
 
-    def _resume(self, req: Request, n: int, step: _Step) -> bool:
-        """Move a waiting or swapped request to running with room for ``n`` new tokens."""
-        need = req.num_computed_tokens + n
+    def _resume(self, req: Request, step: _Step) -> int:
+        """Move a waiting or swapped request to running with room for its next tokens (a
+        waiting one starting from the longest cached prefix); returns how many tokens it
+        computes this step, 0 when it does not fit."""
         if req.status == RequestStatus.SWAPPED:
-            if not self.kv.can_swap_in(req.host_tables, need):
-                return False
+            n = min(req.num_tokens - req.num_computed_tokens, step.budget)
+            if not self.kv.can_swap_in(req.host_tables, req.num_computed_tokens + n):
+                return 0
             req.block_tables, copies = self.kv.swap_in(req.host_tables)
             for pairs, group_copies in zip(step.swap_in, copies):
                 pairs.extend(group_copies)
             self.events.swapped_blocks["in"] += sum(len(c) for c in copies)
             self.swapped.remove(req)
         else:
-            if not self.kv.can_allocate(req.block_tables, need):
-                return False
+            hit = self._take_prefix(req)
+            n = min(req.num_tokens - hit, step.budget)
+            if not self.kv.can_allocate(req.block_tables, hit + n):
+                self.kv.free(req.block_tables)
+                return 0
             self.waiting.remove(req)
-        self.kv.allocate(req.block_tables, need)
+            req.num_computed_tokens = hit
+            if self.kv.prefix_caching:
+                self.events.prefix_queries += req.num_tokens
+                self.events.prefix_hits += hit
+        self.kv.allocate(req.block_tables, req.num_computed_tokens + n)
         req.status = RequestStatus.RUNNING
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
+            req.num_cached_tokens = req.num_computed_tokens
         self.running.append(req)
-        return True
+        return n
+
+    def _take_prefix(self, req: Request) -> int:
+        """Start a waiting request's tables with its longest cached prefix (at least one token
+        is left to compute: its logits are needed); returns the prefix's tokens."""
+        if not self.kv.prefix_caching or req.num_computed_tokens:
+            return req.num_computed_tokens
+        keys = self.kv.block_keys(req.token_ids, req.block_keys)
+        found = self.kv.find_prefix(req.token_ids, keys, req.num_tokens - 1)
+        return self.kv.take_prefix(req.block_tables, found)
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv.reset_prefix_cache()
 
     def _to_plain(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -278,6 +304,7 @@ class Scheduler:
             candidates, lambda r: self.kv.can_swap_out(r.block_tables)
         )
         self.running.remove(victim)
+        victim.num_registered_blocks = 0  # its blocks are about to change hands
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.events.preemptions[mode] += 1
@@ -310,6 +337,11 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted during the step
             req.num_computed_tokens += len(s.token_ids)
+            if self.kv.prefix_caching:
+                req.num_registered_blocks = self.kv.cache_blocks(
+                    req.block_tables, req.token_ids, req.block_keys, req.num_computed_tokens,
+                    req.num_registered_blocks,
+                )  # fmt: skip
             if not s.sample:
                 continue
             token = sampled[s.request_id]
@@ -350,11 +382,17 @@ class Scheduler:
         decision = policy.decide(state)
         self.events.context_overflows[policy.name] += 1
         if isinstance(decision, Drop):
-            blocks = self.kv.drop(
-                req.block_tables, req.num_computed_tokens, decision.start, decision.count
-            )
+            try:
+                blocks, copies = self.kv.drop(
+                    req.block_tables, req.num_computed_tokens, decision.start, decision.count
+                )
+            except MemoryError:  # no room to copy the blocks it shares: it cannot shift
+                return self.finish(req, "length")
             req.drop_tokens(decision.start, decision.count)
-            self._shifts.append(CacheShift(req.request_id, -decision.count, blocks))
+            first = decision.start // self.kv.block_size
+            del req.block_keys[first:]
+            req.num_registered_blocks = min(req.num_registered_blocks, first)
+            self._shifts.append(CacheShift(req.request_id, -decision.count, blocks, copies))
         elif isinstance(decision, Finish):
             self.finish(req, "length")
         else:

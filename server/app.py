@@ -162,6 +162,7 @@ class Generation:
         self.engine = engine
         self.requests = requests
         self.choices = {i: ChoiceState(i) for i in range(len(requests))}
+        self.cached = [0] * len(requests)  # prompt tokens each request found in the cache
         self._stream = merge_streams(engine.submit(requests))
         self._first: tuple[int, RequestOutput] | None = None
         self._active = active
@@ -193,6 +194,7 @@ class Generation:
 
     def _apply(self, which: int, out: RequestOutput) -> tuple[ChoiceState, CompletionOutput]:
         choice = self.choices[which]
+        self.cached[which] = out.num_cached_tokens
         delta = out.outputs[0]
         choice.add(delta)
         return choice, delta
@@ -218,6 +220,11 @@ class Generation:
 
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices.values())
+
+    def usage(self, prompt_tokens: int, n: int) -> Usage:
+        """Usage of prompts counted once each (``n`` requests, one per choice, per prompt)."""
+        cached = sum(self.cached[::n])
+        return Usage.of(prompt_tokens, self.completion_tokens(), cached)
 
 
 def check_finished(choice: ChoiceState) -> None:
@@ -387,7 +394,7 @@ class OpenAIServer:
                     )
                     for c in choices
                 ],
-                usage=Usage.of(usage_prompt, gen.completion_tokens()),
+                usage=gen.usage(usage_prompt, req.n),
             )
         )
 
@@ -422,7 +429,7 @@ class OpenAIServer:
             )
             yield sse(chunk)
         if req.include_usage:
-            usage = Usage.of(usage_prompt, gen.completion_tokens())
+            usage = gen.usage(usage_prompt, req.n)
             yield sse(
                 CompletionResponse(
                     id=rid, created=created, model=self.served_model_name, choices=[], usage=usage
@@ -475,7 +482,7 @@ class OpenAIServer:
                     )
                     for c in choices
                 ],
-                usage=Usage.of(len(prompt), gen.completion_tokens()),
+                usage=gen.usage(len(prompt), req.n),
             )
         )
 
@@ -519,7 +526,7 @@ class OpenAIServer:
                 ]
             )
         if req.include_usage:
-            yield chunk([], Usage.of(usage_prompt, gen.completion_tokens()))
+            yield chunk([], gen.usage(usage_prompt, req.n))
         yield "data: [DONE]\n\n"
 
     def chat_logprobs(
@@ -745,6 +752,11 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         return await server.chat(body, request)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        blocks = await engine.reset_prefix_cache()
+        return Response(f'{{"status":"ok","blocks":{blocks}}}', media_type="application/json")
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:

@@ -147,7 +147,7 @@ def test_drop_removes_whole_blocks_from_a_full_table():
     kv.allocate(tables, 20)
     a, b, c, d, e = tables[0]
     assert kv.max_discard(tables, 19, 4) == 12  # whole blocks of cached tokens only
-    moved = kv.drop(tables, 19, 4, 8)
+    moved, _ = kv.drop(tables, 19, 4, 8)
     assert tables == [[a, d, e]] and moved == [[d, e]]
     assert kv.num_free_blocks == 7
     kv.check_integrity([tables])
@@ -163,7 +163,7 @@ def test_drop_turns_a_full_ring_and_keeps_its_blocks():
     a, b, c = tables[0]
     # The next window, [n - 5, n], must start after the kept tokens: 23 - 4 - 5 = 14 -> 12.
     assert kv.max_discard(tables, 23, 4) == 12
-    moved = kv.drop(tables, 23, 4, 8)
+    moved, _ = kv.drop(tables, 23, 4, 8)
     assert tables == [[c, a, b]] and moved == [[c, a, b]]
     assert kv.num_free_blocks == 7
 

@@ -146,7 +146,7 @@ def test_after_a_shift_kept_keys_equal_keys_roped_at_their_new_positions(groups)
 
     count = kv.max_discard(tables, n, keep)
     assert count >= bs
-    moved = kv.drop(tables, n, keep, count)
+    moved, _ = kv.drop(tables, n, keep, count)
     rotate_shifted_keys(TorchBackend(), kv_caches, groups, key_rope, CacheShift("r", -count, moved))
 
     # Old position p >= keep + count is now p - count; the kept ones stay.
