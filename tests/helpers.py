@@ -174,3 +174,25 @@ def serve_in_thread(app, **config) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
+
+
+def run_waves(llm: LLM, waves: list[list[tuple[list[int], int]]]):
+    """Each wave's (prompt ids, max_tokens) requests together, greedy, a wave after the last
+    one ended, checking the pools after every step: (tokens, cached prompt tokens) per request."""
+    from engine import SamplingParams
+
+    engine = llm.engine
+    tokens, cached, n = {}, {}, 0
+    for wave in waves:
+        for prompt, max_tokens in wave:
+            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            engine.add_request(f"r{n}", prompt, params)
+            n += 1
+        while engine.has_unfinished:
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+                cached[out.request_id] = out.num_cached_tokens
+            live = engine.scheduler.live_requests
+            engine.kv.check_integrity([r.block_tables for r in live], [r.host_tables for r in live])
+    ids = [f"r{i}" for i in range(n)]
+    return [tokens[i] for i in ids], [cached[i] for i in ids]

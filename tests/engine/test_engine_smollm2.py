@@ -81,6 +81,18 @@ def _assert_equal_transformers(llm, hf_model):
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_total_blocks
 
 
+def test_prefix_caching_keeps_the_greedy_tokens(llm, smollm2_dir):
+    from tests.helpers import run_waves
+
+    questions = [" Which items are odd?", " Name the largest number.", " How many items?"]
+    prompts = [llm.tokenizer.encode(PROMPTS[3] + q) for q in questions]
+    waves = [[(p, 6) for p in prompts[:2]], [(p, 6) for p in prompts]]
+    tokens, cached = run_waves(llm, waves)
+    assert tokens == run_waves(_llm(smollm2_dir, enable_prefix_caching=False), waves)[0]
+    shared = len(llm.tokenizer.encode(PROMPTS[3])) // 16 * 16
+    assert min(cached[2:]) >= shared - 16 > 0
+
+
 def test_chat_answer_is_sensible(llm):
     ids = llm.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     out = llm.generate([ids], SamplingParams(max_tokens=24, temperature=0))[0].outputs[0]

@@ -8,41 +8,18 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.block_pool import BlockPool
-from tests.helpers import random_prompt, save_tiny_deepseek_v3
+from tests.helpers import random_prompt, run_waves, save_tiny_deepseek_v3
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 BLOCK = 8
 
 
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-
-
 def make(model_dir, **kw) -> LLM:
     kw = {"num_kv_blocks": 64, "max_num_batched_tokens": 24, **kw}
     return LLM(str(model_dir), device="cpu", dtype="float32", block_size=BLOCK, **kw)
-
-
-def run(llm: LLM, waves: list[list[tuple[list[int], int]]]) -> tuple[list[list[int]], list[int]]:
-    """Each wave's (prompt, max_tokens) requests together, a wave after the last one ended,
-    checking the pools after every step: (tokens, cached prompt tokens) per request."""
-    engine = llm.engine
-    tokens, cached, n = {}, {}, 0
-    for wave in waves:
-        for prompt, max_tokens in wave:
-            engine.add_request(f"r{n}", prompt, greedy(max_tokens))
-            n += 1
-        while engine.has_unfinished:
-            for out in engine.step():
-                tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
-                cached[out.request_id] = out.num_cached_tokens
-            live = engine.scheduler.live_requests
-            engine.kv.check_integrity([r.block_tables for r in live], [r.host_tables for r in live])
-    ids = [f"r{i}" for i in range(n)]
-    return [tokens[i] for i in ids], [cached[i] for i in ids]
 
 
 def shared_prefix_waves(vocab: int) -> list[list[tuple[list[int], int]]]:
@@ -97,8 +74,8 @@ def test_greedy_tokens_are_the_same_with_caching_on_and_off(request, model):
     model_dir = request.getfixturevalue(model)
     waves = shared_prefix_waves(120)
     on = make(model_dir)
-    tokens, cached = run(on, waves)
-    off_tokens, off_cached = run(make(model_dir, enable_prefix_caching=False), waves)
+    tokens, cached = run_waves(on, waves)
+    off_tokens, off_cached = run_waves(make(model_dir, enable_prefix_caching=False), waves)
     assert tokens == off_tokens
     assert off_cached == [0] * len(cached)
     # The second wave finds whole blocks: its repeats all but the last block of their prompt.
@@ -116,8 +93,8 @@ def test_a_key_collision_is_refused(tiny_llama_dir, monkeypatch):
 
     monkeypatch.setattr(engine.kv_manager, "block_hash", lambda parent, tokens: b"same")
     prompts = [[(random_prompt(30, 120, seed=s), 4)] for s in (1, 2, 1)]
-    tokens, cached = run(make(tiny_llama_dir), prompts)
-    off_tokens, _ = run(make(tiny_llama_dir, enable_prefix_caching=False), prompts)
+    tokens, cached = run_waves(make(tiny_llama_dir), prompts)
+    off_tokens, _ = run_waves(make(tiny_llama_dir, enable_prefix_caching=False), prompts)
     assert tokens == off_tokens
     # Every block claims the same key: the other prompt's block is refused; the same prompt
     # finds its first block, which holds its tokens, and no further (the key is taken).
@@ -146,9 +123,9 @@ def test_a_shift_copies_shared_blocks_and_leaves_the_other_sequence_alone(
         max_model_len=48, context_overflow="shift", context_n_keep=8, context_n_discard=16,
         max_num_batched_tokens=40,
     )  # fmt: skip
-    tokens, cached = run(make(tiny_llama_dir, **kw), waves)
+    tokens, cached = run_waves(make(tiny_llama_dir, **kw), waves)
     assert cached == [0, 32] and copies
-    off_tokens, _ = run(make(tiny_llama_dir, enable_prefix_caching=False, **kw), waves)
+    off_tokens, _ = run_waves(make(tiny_llama_dir, enable_prefix_caching=False, **kw), waves)
     assert tokens == off_tokens
 
 
@@ -156,8 +133,8 @@ def test_recompute_preemption_finds_its_own_blocks_again(tiny_llama_dir):
     prompts = [[(random_prompt(30, 120, seed=s), 12) for s in range(4)]]
     kw = dict(num_kv_blocks=14, preemption_mode="recompute", max_num_batched_tokens=64)
     on = make(tiny_llama_dir, **kw)
-    tokens, _ = run(on, prompts)
-    off_tokens, _ = run(make(tiny_llama_dir, enable_prefix_caching=False, **kw), prompts)
+    tokens, _ = run_waves(on, prompts)
+    off_tokens, _ = run_waves(make(tiny_llama_dir, enable_prefix_caching=False, **kw), prompts)
     assert tokens == off_tokens
     assert on.engine.scheduler.num_preemptions > 0
     assert on.engine.metrics.prefix_hits._value.get() > 0
@@ -170,6 +147,6 @@ def test_models_with_sliding_windows_run_without_caching(tmp_path):
     waves = shared_prefix_waves(120)
     llm = make(tmp_path)
     assert not llm.engine.kv.prefix_caching
-    tokens, cached = run(llm, waves)
+    tokens, cached = run_waves(llm, waves)
     assert cached == [0] * len(cached)
-    assert tokens == run(make(tmp_path, enable_prefix_caching=False), waves)[0]
+    assert tokens == run_waves(make(tmp_path, enable_prefix_caching=False), waves)[0]

@@ -197,6 +197,26 @@ def test_completion_counts_tokens_and_honours_max_tokens(client, served):
     assert r.usage.prompt_tokens == len(tokenize(url, prompt=PROMPT))
 
 
+def test_a_repeated_prompt_reports_cached_tokens_until_the_cache_is_reset(client, served):
+    _, url = served
+    prompt = "A unique preamble for the prefix cache test. " + "The sea is calm tonight. " * 12
+    n = len(tokenize(url, prompt=prompt))
+    kwargs = dict(model=SERVED_NAME, prompt=prompt, max_tokens=4, temperature=0)
+    first = client.completions.create(**kwargs)
+    second = client.completions.create(**kwargs)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16 > 0
+    assert second.choices[0].text == first.choices[0].text
+    metrics = httpx.get(f"{url}/metrics").text
+    hits = [ln for ln in metrics.splitlines() if ln.startswith("kvserve:prefix_cache_hits_total")]
+    assert hits and float(hits[0].split()[-1]) > 0
+    assert "kvserve:prefix_cache_queries_total" in metrics
+    reset = httpx.post(f"{url}/reset_prefix_cache")
+    assert reset.status_code == 200 and reset.json()["blocks"] > 0
+    third = client.completions.create(**kwargs)
+    assert third.usage.prompt_tokens_details.cached_tokens == 0
+
+
 @pytest.mark.slow
 def test_completion_defaults_to_16_tokens(client):
     r = client.completions.create(
