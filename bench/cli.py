@@ -118,7 +118,21 @@ def _add_prompt_arguments(work) -> None:
         "--prefix-len",
         type=int,
         default=0,
-        help="tokens of a prefix shared by all synthetic prompts",
+        help="tokens of a prefix shared by synthetic prompts",
+    )
+    work.add_argument(
+        "--prefix-fraction",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="share of the synthetic prompts that start with the --prefix-len prefix",
+    )
+    work.add_argument(
+        "--turns",
+        type=int,
+        default=1,
+        help="synthetic chat sessions of this many turns, each resending its history "
+        "(--num-prompts counts turns)",
     )
     work.add_argument(
         "--dataset",
@@ -165,6 +179,8 @@ def workload_from_args(args: argparse.Namespace) -> dict[str, Any]:
         input_len_range=args.input_len_range,
         output_len_range=args.output_len_range,
         prefix_len=args.prefix_len,
+        prefix_fraction=args.prefix_fraction,
+        turns=args.turns,
         dataset=args.dataset,
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,

@@ -105,7 +105,9 @@ class BenchConfig:
     output_len: int = 128
     input_len_range: float = 0.0  # lengths uniform in [len * (1 - r), len * (1 + r)]
     output_len_range: float = 0.0
-    prefix_len: int = 0  # tokens of one shared prefix ahead of every synthetic prompt
+    prefix_len: int = 0  # tokens of one shared prefix ahead of synthetic prompts
+    prefix_fraction: float = 1.0  # of the synthetic prompts, the share that start with it
+    turns: int = 1  # synthetic chat sessions of this many turns, each resending its history
     dataset: str | None = None  # JSONL with "prompt" or "messages", optional "max_tokens"
     ignore_eos: bool = True
     temperature: float = 0.0
@@ -132,6 +134,8 @@ class BenchConfig:
         for r in (self.input_len_range, self.output_len_range):
             if not 0 <= r < 1:
                 raise ValueError("length ranges are ratios in [0, 1)")
+        if not 0 <= self.prefix_fraction <= 1 or self.turns < 1:
+            raise ValueError("prefix_fraction is in [0, 1] and turns at least 1")
         if self.prefix_len < 0 or self.scrape_interval_s < 0 or not self.request_timeout_s > 0:
             raise ValueError("prefix_len, scrape interval and request timeout must not be negative")
 
@@ -148,6 +152,7 @@ class BenchRequest:
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     prompt_tokens_est: int | None = None  # used when the server reports no usage
+    after: int | None = None  # sent once this earlier request (a session's last turn) ended
 
 
 @dataclass
@@ -165,6 +170,7 @@ class RequestRecord:
     error: str | None = None
     retry_after: str | None = None
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens the server's prefix cache served
     output_tokens: int = 0
     usage_reported: bool = False
     ttft_s: float | None = None
@@ -218,6 +224,7 @@ class Summary:
     failed_by_status: dict[str, int]
     total_input_tokens: int
     total_output_tokens: int
+    cached_input_tokens: int | None  # served by the prefix cache; None: never reported
     request_throughput: float
     input_throughput: float
     output_throughput: float
@@ -256,6 +263,11 @@ def summarize(
         failed_by_status=dict(sorted(by_status.items())),
         total_input_tokens=n_in,
         total_output_tokens=n_out,
+        cached_input_tokens=(
+            sum(r.cached_tokens or 0 for r in ok)
+            if any(r.cached_tokens is not None for r in ok)
+            else None
+        ),
         request_throughput=len(ok) / dur,
         input_throughput=n_in / dur,
         output_throughput=n_out / dur,
@@ -446,21 +458,43 @@ def synthetic_requests(
     config: BenchConfig, calibration: PromptCalibration = PromptCalibration()
 ) -> list[BenchRequest]:
     """Random-word prompts, each different from its first word so prefix caching cannot help
-    beyond the shared ``prefix_len`` tokens."""
+    beyond what the workload shares: the ``prefix_len`` tokens ahead of a ``prefix_fraction``
+    of the prompts, and with ``turns`` > 1 each session's history (every turn resends the
+    conversation so far, with a random-word reply of the turn's output length standing in for
+    the model's, and is sent when the session's previous turn has ended)."""
     rng = np.random.default_rng([config.seed, 0])
     tokens_per_word = calibration.tokens_per_word
     prefix = _words(config.prefix_len, tokens_per_word, rng) + " " if config.prefix_len else ""
-    in_lens = _lengths(config.num_prompts, config.input_len, config.input_len_range, rng)
-    out_lens = _lengths(config.num_prompts, config.output_len, config.output_len_range, rng)
+    n = config.num_prompts
+    in_lens = _lengths(n, config.input_len, config.input_len_range, rng)
+    out_lens = _lengths(n, config.output_len, config.output_len_range, rng)
+    shared = rng.random(n) < config.prefix_fraction
+    sessions = math.ceil(n / config.turns)
+    history: list[list[dict[str, Any]]] = [[] for _ in range(sessions)]
+    est = [0] * sessions
     out = []
-    for n_in, n_out in zip(in_lens, out_lens, strict=True):
-        text = prefix + _words(int(n_in) - calibration.overhead_tokens, tokens_per_word, rng)
-        est = config.prefix_len + int(n_in)
+    for i, (n_in, n_out) in enumerate(zip(in_lens, out_lens, strict=True)):
+        session, turn = i % sessions, i // sessions  # all first turns, then all second ones
+        text = _words(int(n_in) - calibration.overhead_tokens, tokens_per_word, rng)
+        if turn == 0 and shared[i]:
+            text, est[session] = prefix + text, config.prefix_len
+        messages = history[session] + [{"role": "user", "content": text}]
+        est[session] += int(n_in)
+        after = i - sessions if turn else None
         if config.endpoint == "chat":
-            msgs = [{"role": "user", "content": text}]
-            out.append(BenchRequest(int(n_out), messages=msgs, prompt_tokens_est=est))
+            out.append(
+                BenchRequest(
+                    int(n_out), messages=messages, prompt_tokens_est=est[session], after=after
+                )
+            )
         else:
-            out.append(BenchRequest(int(n_out), prompt=text, prompt_tokens_est=est))
+            prompt = "\n".join(m["content"] for m in messages)
+            out.append(
+                BenchRequest(int(n_out), prompt=prompt, prompt_tokens_est=est[session], after=after)
+            )
+        reply = _words(int(n_out), tokens_per_word, rng)
+        history[session] = messages + [{"role": "assistant", "content": reply}]
+        est[session] += int(n_out)
     return out
 
 
@@ -606,6 +640,9 @@ def _take_usage(rec: RequestRecord, payload: dict[str, Any]) -> None:
     rec.usage_reported = True
     if usage.get("prompt_tokens") is not None:
         rec.prompt_tokens = int(usage["prompt_tokens"])
+    details = usage.get("prompt_tokens_details") or {}
+    if details.get("cached_tokens") is not None:
+        rec.cached_tokens = int(details["cached_tokens"])
     if usage.get("completion_tokens") is not None:
         rec.output_tokens = int(usage["completion_tokens"])
 
@@ -768,8 +805,13 @@ async def _drive(
     tasks: list[asyncio.Task[None]] = []
     bar = tqdm(total=len(requests), disable=not config.show_progress, unit="req", leave=False)
 
-    async def one(rec: RequestRecord, body: dict[str, Any]) -> None:
+    ended = [asyncio.Event() for _ in requests]
+
+    async def one(rec: RequestRecord, body: dict[str, Any], after: int | None) -> None:
         try:
+            if after is not None:
+                await ended[after].wait()
+                rec.scheduled_s = max(rec.scheduled_s, time.perf_counter() - t0)
             if slots is None:
                 await send_request(client, url, body, rec, t0)
             else:
@@ -778,6 +820,8 @@ async def _drive(
         except asyncio.CancelledError:
             rec.cancelled = True
             raise
+        finally:
+            ended[rec.index].set()
         bar.update(1)
 
     async def dispatch() -> None:
@@ -787,7 +831,8 @@ async def _drive(
                 await asyncio.sleep(delay)
             rec = RequestRecord(index=i, scheduled_s=float(at))
             records.append(rec)
-            tasks.append(asyncio.create_task(one(rec, request_body(config, model, req))))
+            body = request_body(config, model, req)
+            tasks.append(asyncio.create_task(one(rec, body, req.after)))
         await asyncio.gather(*tasks)
 
     t0 = time.perf_counter()
@@ -839,6 +884,9 @@ def format_summary(result: BenchResult) -> str:
     row("Benchmark duration (s):", s.duration_s, ".2f")
     row("Total input tokens:", s.total_input_tokens)
     row("Total generated tokens:", s.total_output_tokens)
+    if s.cached_input_tokens is not None:
+        rate = 100 * s.cached_input_tokens / max(s.total_input_tokens, 1)
+        row("Prefix cache hit rate (% of input):", rate, ".2f")
     row("Request throughput (req/s):", s.request_throughput, ".2f")
     if s.goodput is not None:
         row("Request goodput (req/s):", s.goodput, ".2f")

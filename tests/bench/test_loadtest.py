@@ -25,6 +25,7 @@ from bench.loadtest import (
     PromptCalibration,
     RequestRecord,
     arrival_times,
+    format_summary,
     is_loopback_url,
     latency_stats,
     parse_metrics,
@@ -50,6 +51,7 @@ class Fake:
     tokens_per_word: int = 1  # its "tokenizer": whitespace words, each this many tokens
     chat_overhead: int = 0  # tokens its "chat template" adds around the messages
     tokenize: bool = False  # expose /tokenize (vLLM's shape)
+    prefix_cache: bool = False  # report the words shared with an earlier prompt as cached
     bodies: list[dict[str, Any]] = field(default_factory=list)
     auth: set[str | None] = field(default_factory=set)
     running: int = 0
@@ -60,6 +62,22 @@ def _prompt_tokens(fake: Fake, body: dict[str, Any]) -> int:
         words = sum(len(m["content"].split()) for m in body["messages"])
         return words * fake.tokens_per_word + fake.chat_overhead
     return len(body["prompt"].split()) * fake.tokens_per_word
+
+
+def _words_of(body: dict[str, Any]) -> list[str]:
+    if "messages" in body:
+        return [w for m in body["messages"] for w in m["content"].split()]
+    return body["prompt"].split()
+
+
+def _cached_words(bodies: list[dict[str, Any]]) -> int:
+    """Words of the last prompt that an earlier prompt started with."""
+    new, best = _words_of(bodies[-1]), 0
+    for body in bodies[:-1]:
+        old = _words_of(body)
+        n = next((i for i, (a, b) in enumerate(zip(new, old)) if a != b), min(len(new), len(old)))
+        best = max(best, n)
+    return best
 
 
 def fake_app(fake: Fake) -> FastAPI:
@@ -107,6 +125,8 @@ def fake_app(fake: Fake) -> FastAPI:
             else min(body["max_tokens"], fake.eos_after)
         )
         usage = {"prompt_tokens": _prompt_tokens(fake, body), "completion_tokens": n_out}
+        if fake.prefix_cache:
+            usage["prompt_tokens_details"] = {"cached_tokens": _cached_words(fake.bodies)}
         if not body.get("stream"):
             await asyncio.sleep(fake.first_token_delay + fake.token_delay * (n_out - 1))
             text = "tok " * n_out
@@ -224,6 +244,46 @@ def test_synthetic_prompts_follow_length_ranges_and_differ():
     chat = dataclasses.replace(config, endpoint="chat", prefix_len=0, input_len_range=0.0)
     templated = synthetic_requests(chat, PromptCalibration(overhead_tokens=30))
     assert all(len(r.messages[0]["content"].split()) == 70 for r in templated)
+
+
+def test_sessions_resend_their_history_and_a_fraction_shares_the_prefix():
+    config = BenchConfig(
+        num_prompts=9, input_len=6, output_len=4, turns=3, prefix_len=5, prefix_fraction=0.5,
+        endpoint="chat", seed=2,
+    )  # fmt: skip
+    reqs = synthetic_requests(config)
+    sessions = 3
+    for i, r in enumerate(reqs):
+        turn = i // sessions
+        assert [m["role"] for m in r.messages] == ["user", "assistant"] * turn + ["user"]
+        assert r.after == (i - sessions if turn else None)
+        if turn:
+            before = reqs[i - sessions].messages
+            assert r.messages[: len(before)] == before
+            assert len(r.messages[-2]["content"].split()) == reqs[i - sessions].max_tokens
+    many = synthetic_requests(dataclasses.replace(config, num_prompts=400, turns=1))
+    heads = [" ".join(r.messages[0]["content"].split()[:5]) for r in many]
+    shared = max(set(heads), key=heads.count)
+    assert 150 < heads.count(shared) < 250
+
+
+def test_sessions_run_turn_after_turn_and_report_the_hit_rate():
+    fake = Fake(prefix_cache=True)
+    with serve(fake) as url:
+        result = bench(
+            url, num_prompts=8, turns=4, input_len=5, output_len=3, endpoint="chat",
+            max_concurrency=8,
+        )  # fmt: skip
+    s = result.summary
+    assert s.completed == 8
+    order = [len(b["messages"]) for b in fake.bodies]
+    assert order[:2] == [1, 1] and order == sorted(order)  # a turn only after the one before
+    recs = sorted(result.requests, key=lambda r: r.index)
+    for r in recs[2:]:
+        assert r.scheduled_s >= recs[r.index - 2].end_s
+        assert r.cached_tokens > 0
+    assert s.cached_input_tokens == sum(r.cached_tokens for r in recs)
+    assert "Prefix cache hit rate (% of input):" in format_summary(result)
 
 
 def _record(i: int, ttft: float, e2e: float, tokens: int, ok: bool = True) -> RequestRecord:
