@@ -192,6 +192,7 @@ class PointMetrics:
     p99_ttft_ms: float | None
     p99_itl_ms: float | None
     mean_tpot_ms: float | None
+    prefix_hit_pct: float | None  # prompt tokens served by the prefix cache, % of those asked
     preemptions: float
     context_overflows: float
     rejected: int  # 429: refused by admission control
@@ -201,6 +202,8 @@ class PointMetrics:
     def from_result(cls, result: BenchResult, counters: Mapping[str, float]) -> PointMetrics:
         s = result.summary
         rejected = s.failed_by_status.get("429", 0)
+        queries = counter_sum(counters, "prefix_cache_queries_total")
+        hits = counter_sum(counters, "prefix_cache_hits_total")
         return cls(
             completed=s.completed,
             failed=s.failed,
@@ -210,6 +213,7 @@ class PointMetrics:
             p99_ttft_ms=s.ttft.p99_ms,
             p99_itl_ms=s.itl.p99_ms,
             mean_tpot_ms=s.tpot.mean_ms,
+            prefix_hit_pct=100 * hits / queries if queries else None,
             preemptions=counter_sum(counters, "num_preemptions_total"),
             context_overflows=counter_sum(counters, "context_overflows_total"),
             rejected=rejected,
@@ -474,6 +478,7 @@ COLUMNS = (
     ("p99_ttft_ms", "p99 TTFT ms", ".0f"),
     ("p99_itl_ms", "p99 ITL ms", ".1f"),
     ("mean_tpot_ms", "mean TPOT ms", ".1f"),
+    ("prefix_hit_pct", "prefix hit %", ".1f"),
     ("preemptions", "preempt", "g"),
     ("context_overflows", "ctx overflow", "g"),
     ("rejected", "429", "d"),

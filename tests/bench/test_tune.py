@@ -44,6 +44,7 @@ def metrics(**kw) -> PointMetrics:
         p99_ttft_ms=500.0,
         p99_itl_ms=50.0,
         mean_tpot_ms=40.0,
+        prefix_hit_pct=None,
         preemptions=0.0,
         context_overflows=0.0,
         rejected=0,
