@@ -78,8 +78,7 @@ class EngineArgs:
     )
     enable_prefix_caching: bool = setting(
         True,
-        "keep and share the KV blocks of identical prompt prefixes (hashed full blocks); "
-        "models with sliding-window layers are served without",
+        "keep and share the KV blocks of identical prompt prefixes (hashed full blocks)",
     )
     enforce_eager: bool = setting(
         False, "run every step eagerly: no CUDA graphs for decode steps (CUDA only)"

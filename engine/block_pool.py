@@ -78,6 +78,10 @@ class BlockPool:
 
     # -- prefix caching -----------------------------------------------------------------------
 
+    def private(self, block: int) -> bool:
+        """Held by one sequence and not in the cache: its owner may write over it."""
+        return self.ref_counts[block] == 1 and self.entry[block] is None
+
     def ident(self, block: int) -> Parent:
         return block, self.generation[block]
 

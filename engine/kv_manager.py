@@ -22,12 +22,19 @@ copies or rotations they need; the model runner performs them before the step's 
   into fresh device blocks, in table order (which a ring's addressing depends on).
 
 Prefix caching (``BlockPool`` keeps the cache): a sequence's full blocks of computed tokens are
-registered under chained keys of its token ids (``cache_blocks``); a new sequence starts with
-the longest run of its leading full blocks found in every group (``find_prefix``), shared with
-reference counts. A shift copies a shared block before its keys are rotated (copy-on-write),
-and a block that is rotated in place leaves the cache. A hit is a whole-prefix hit in every
-group, so it is offered only where every group holds the whole context: a sliding-window ring
-overwrites its blocks as it turns, so models with one (Gemma 3) are served without it.
+registered under chained keys of its token ids (``cache_blocks``), and a new sequence starts
+with a cached prefix of whole blocks (``find_prefix``), shared with reference counts:
+
+- A full (or MLA) group needs every block of the prefix, each found after its parent block.
+- A sliding-window group needs only the blocks of the prefix that the next token's window
+  reaches (its other ring entries get fresh blocks, never read). A ring overwrites the entry
+  of a block that left the window; a cached or shared block is never written over, but leaves
+  the ring for a fresh block, so it stays findable for others (``allocate``).
+- The hit is the longest prefix every group can serve. For Gemma 3 that is the longest run of
+  cached blocks whose last window is still cached in the local layers' pool too.
+
+A shift copies a shared block before its keys are rotated (copy-on-write), and a block that is
+rotated in place leaves the cache.
 """
 
 from __future__ import annotations
@@ -56,15 +63,17 @@ class KVCacheManager:
     def new_tables(self) -> BlockTables:
         return [[] for _ in self.groups]
 
-    def blocks_needed(self, tables: BlockTables, num_tokens: int) -> list[int]:
-        """Blocks each group must add for the sequence to hold ``num_tokens`` tokens."""
+    def blocks_needed(self, tables: BlockTables, num_tokens: int, start: int = 0) -> list[int]:
+        """Blocks each group must add for the sequence to hold ``num_tokens`` tokens, writing
+        those from ``start`` on."""
         return [
             max(0, g.spec.num_blocks(num_tokens, self.block_size) - len(t))
-            for g, t in zip(self.groups, tables)
+            + len(self._fresh_entries(g, pool, t, start, num_tokens))
+            for g, pool, t in zip(self.groups, self.pools, tables)
         ]
 
-    def can_allocate(self, tables: BlockTables, num_tokens: int) -> bool:
-        needed = self.blocks_needed(tables, num_tokens)
+    def can_allocate(self, tables: BlockTables, num_tokens: int, start: int = 0) -> bool:
+        needed = self.blocks_needed(tables, num_tokens, start)
         return all(n <= pool.num_free for n, pool in zip(needed, self.pools))
 
     def can_ever_fit(self, num_tokens: int) -> bool:
@@ -74,13 +83,43 @@ class KVCacheManager:
             for g, pool in zip(self.groups, self.pools)
         )
 
-    def allocate(self, tables: BlockTables, num_tokens: int) -> None:
-        """Grow ``tables`` in place to hold ``num_tokens``; all groups or none."""
-        needed = self.blocks_needed(tables, num_tokens)
+    def allocate(self, tables: BlockTables, num_tokens: int, start: int = 0) -> BlockPairs:
+        """Grow ``tables`` in place to hold ``num_tokens``; all groups or none. Ring entries
+        that tokens from ``start`` on will write over, while others may still read them (cached
+        or shared blocks), get fresh blocks; returns per group the copies to make first (old
+        block, fresh block) where this step's own tokens still read the old contents."""
+        needed = self.blocks_needed(tables, num_tokens, start)
         if not all(n <= pool.num_free for n, pool in zip(needed, self.pools)):
             raise MemoryError("not enough free KV blocks")
-        for n, pool, table in zip(needed, self.pools, tables):
-            table.extend(pool.allocate(n))
+        copies = []
+        for g, pool, table in zip(self.groups, self.pools, tables):
+            pairs = []
+            for e, copy in self._fresh_entries(g, pool, table, start, num_tokens):
+                old, (table[e],) = table[e], pool.allocate(1)
+                if copy:
+                    pairs.append((old, table[e]))
+                pool.free([old])
+            grow = g.spec.num_blocks(num_tokens, self.block_size) - len(table)
+            table.extend(pool.allocate(max(0, grow)))
+            copies.append(pairs)
+        return copies
+
+    def _fresh_entries(
+        self, g: KVCacheGroup, pool: BlockPool, table: list[int], start: int, num_tokens: int
+    ) -> list[tuple[int, bool]]:
+        """The ring entries that tokens [start, num_tokens) write over whose blocks must stay
+        as they are (registered in the cache, or shared), and whether the step's first token
+        still reads the block there (a long prefill chunk: the contents are copied over)."""
+        if not g.spec.window or not self.prefix_caching or num_tokens <= start:
+            return []
+        bs, ring = self.block_size, g.spec.ring_len(self.block_size)
+        first, last = start // bs, (num_tokens - 1) // bs
+        out = {}
+        for j in range(first, min(last, first + ring - 1) + 1):
+            e = j % ring
+            if e < len(table) and not pool.private(table[e]):
+                out[e] = (j - ring + 1) * bs - 1 >= start + 1 - g.spec.window
+        return sorted(out.items())
 
     def free(self, tables: BlockTables) -> None:
         for pool, table in zip(self.pools, tables):
@@ -91,65 +130,104 @@ class KVCacheManager:
 
     @property
     def prefix_caching(self) -> bool:
-        return self.config.prefix_caching and all(g.spec.window == 0 for g in self.groups)
+        return self.config.prefix_caching
 
     def block_keys(self, token_ids: list[int], keys: list[bytes]) -> list[bytes]:
         """Extend ``keys`` (a sequence's, kept between calls) to every full block of
         ``token_ids``."""
         bs = self.block_size
         for j in range(len(keys), len(token_ids) // bs):
-            keys.append(
-                block_hash(keys[-1] if keys else None, tuple(token_ids[j * bs : (j + 1) * bs]))
-            )
+            block = tuple(token_ids[j * bs : (j + 1) * bs])
+            keys.append(block_hash(keys[-1] if keys else None, block))
         return keys
 
-    def find_prefix(self, token_ids: list[int], keys: list[bytes], max_tokens: int) -> BlockTables:
-        """The cached blocks holding the first full blocks of ``token_ids`` (at most
-        ``max_tokens`` tokens), as many in every group."""
+    def _window_blocks(self, g: KVCacheGroup, num_tokens: int) -> range:
+        """The blocks of a ``num_tokens`` prefix the next token's window reaches."""
+        bs = self.block_size
+        return range(max(0, (num_tokens + 1 - g.spec.window) // bs), num_tokens // bs)
+
+    def find_prefix(
+        self, token_ids: list[int], keys: list[bytes], max_tokens: int
+    ) -> tuple[int, list[list[int | None]]]:
+        """The longest prefix of whole blocks of ``token_ids`` (at most ``max_tokens`` tokens)
+        that every group can serve from the cache: (its blocks, per group the cached block of
+        each of its blocks, None where a sliding-window group has none)."""
         bs = self.block_size
         n = min(max_tokens // bs, len(keys))
-        found = []
-        for pool in self.pools:
+        found: list[list[int | None]] = []
+        for g, pool in zip(self.groups, self.pools):
             blocks, parent = [], None
             for j in range(n):
-                b = pool.lookup(keys[j], parent, tuple(token_ids[j * bs : (j + 1) * bs]))
-                if b is None:
+                tokens = tuple(token_ids[j * bs : (j + 1) * bs])
+                b = pool.lookup(keys[j], None if g.spec.window else parent, tokens)
+                if b is None and not g.spec.window:
                     break
                 blocks.append(b)
-                parent = pool.ident(b)
+                parent = None if b is None else pool.ident(b)
             found.append(blocks)
-            n = len(blocks)
-        return [blocks[:n] for blocks in found]
+            if not g.spec.window:
+                n = len(blocks)
+        for g, blocks in zip(self.groups, found):
+            if g.spec.window:
+                while n and any(blocks[j] is None for j in self._window_blocks(g, n * bs)):
+                    n -= 1
+        return n, found
 
-    def take_prefix(self, tables: BlockTables, found: BlockTables) -> int:
-        """Start empty ``tables`` with the blocks ``find_prefix`` found; returns their tokens."""
-        for pool, table, blocks in zip(self.pools, tables, found):
-            for b in blocks:
-                pool.take(b)
-            table.extend(blocks)
-        return len(found[0]) * self.block_size if found else 0
+    def take_prefix(self, tables: BlockTables, hit: tuple[int, list[list[int | None]]]) -> int:
+        """Start empty ``tables`` with the prefix ``find_prefix`` found (fresh blocks in the
+        ring entries no window reads); returns its tokens, 0 when the fresh blocks do not fit
+        (then nothing is taken)."""
+        n, found = hit
+        if not n:
+            return 0
+        bs = self.block_size
+        for g, pool, table, blocks in zip(self.groups, self.pools, tables, found):
+            if not g.spec.window:
+                table.extend(blocks[:n])
+                for b in table:
+                    pool.take(b)
+                continue
+            ring = g.spec.ring_len(bs)
+            table.extend([-1] * min(n, ring))
+            for j in self._window_blocks(g, n * bs):
+                table[j % ring] = blocks[j]
+                pool.take(blocks[j])
+        for pool, table in zip(self.pools, tables):
+            fresh = [e for e, b in enumerate(table) if b < 0]
+            if len(fresh) > pool.num_free:
+                for p, t in zip(self.pools, tables):
+                    p.free([b for b in t[::-1] if b >= 0])
+                    t.clear()
+                return 0
+            for e, b in zip(fresh, pool.allocate(len(fresh))):
+                table[e] = b
+        return n * bs
 
     def cache_blocks(
         self, tables: BlockTables, token_ids: list[int], keys: list[bytes], num_computed: int,
         num_registered: int,
     ) -> int:  # fmt: skip
-        """Register the blocks full of computed tokens from block ``num_registered`` on;
-        returns how many blocks of the sequence are registered now. A block whose contents
-        another block already holds in the cache (computed alongside) is replaced by it, so
-        that the chain of parents stays findable and the copy is freed."""
+        """Register the blocks full of computed tokens from block ``num_registered`` on (in a
+        ring, those it still holds); returns how many blocks of the sequence are registered
+        now. A block whose contents another block already holds in the cache (computed
+        alongside) is replaced by it, so that the chain of parents stays findable and the copy
+        is freed."""
         bs = self.block_size
         n = min(num_computed // bs, len(self.block_keys(token_ids, keys)))
-        for pool, table in zip(self.pools, tables):
-            for j in range(num_registered, n):
-                parent = pool.ident(table[j - 1]) if j else None
+        for g, pool, table in zip(self.groups, self.pools, tables):
+            ring = g.spec.ring_len(bs) if g.spec.window else 0
+            first = max(num_registered, -(-num_computed // bs) - ring) if ring else num_registered
+            for j in range(first, n):
+                e = j % ring if ring else j
+                parent = None if ring or not j else pool.ident(table[j - 1])
                 tokens = tuple(token_ids[j * bs : (j + 1) * bs])
                 found = pool.lookup(keys[j], parent, tokens)
                 if found is None:
-                    pool.register(table[j], keys[j], parent, tokens)
-                elif found != table[j] and pool.ref_counts[table[j]] == 1:
+                    pool.register(table[e], keys[j], parent, tokens)
+                elif found != table[e] and pool.private(table[e]):
                     pool.take(found)
-                    pool.free([table[j]])
-                    table[j] = found
+                    pool.free([table[e]])
+                    table[e] = found
         return max(n, num_registered)
 
     def reset_prefix_cache(self) -> int:
@@ -187,32 +265,31 @@ class KVCacheManager:
             raise ValueError(f"cannot drop {count} tokens at {start} of {num_cached} cached")
         first, n = start // bs, count // bs
         for g, pool, table in zip(self.groups, self.pools, tables):
-            if not self._ring_is_full(g, table):
-                shared = sum(pool.ref_counts[b] > 1 for b in table[first + n :])
-                freed = sum(pool.ref_counts[b] == 1 for b in table[first : first + n])
-                if shared > pool.num_free + freed:
-                    raise MemoryError("no free blocks to copy shared blocks before a shift")
+            ring = self._ring_is_full(g, table)
+            shared = sum(pool.ref_counts[b] > 1 for b in (table if ring else table[first + n :]))
+            freed = 0 if ring else sum(pool.ref_counts[b] == 1 for b in table[first : first + n])
+            if shared > pool.num_free + freed:
+                raise MemoryError("no free blocks to copy shared blocks before a shift")
         moved, copies = [], []
         for g, pool, table in zip(self.groups, self.pools, tables):
             pairs = []
             if self._ring_is_full(g, table):
                 turn = n % len(table)
                 table[:] = table[turn:] + table[:turn]
-                for b in table:
-                    pool.uncache(b)
-                moved.append(list(table))
+                start_moved = 0
             else:
                 pool.free(table[first : first + n][::-1])
                 del table[first : first + n]
-                for i in range(first, len(table)):
-                    b = table[i]
-                    if pool.ref_counts[b] > 1:
-                        (table[i],) = pool.allocate(1)
-                        pairs.append((b, table[i]))
-                        pool.free([b])
-                    else:
-                        pool.uncache(b)
-                moved.append(table[first:])
+                start_moved = first
+            for i in range(start_moved, len(table)):
+                b = table[i]
+                if pool.ref_counts[b] > 1:
+                    (table[i],) = pool.allocate(1)
+                    pairs.append((b, table[i]))
+                    pool.free([b])
+                else:
+                    pool.uncache(b)
+            moved.append(table[start_moved:])
             copies.append(pairs)
         return moved, copies
 

@@ -108,8 +108,6 @@ class LLMEngine:
             format_capacity(self.cache_config, self.max_model_len),
         )
         swap = self.cache_config.num_host_blocks
-        if args.enable_prefix_caching and not self.kv.prefix_caching:
-            log.info("prefix caching is off: sliding-window layers overwrite their blocks")
         log.info(
             "context overflow %s; preemption by %s%s; queue %s",
             args.context_overflow,

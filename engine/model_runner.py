@@ -113,12 +113,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def apply_cache_ops(self, out: SchedulerOutput) -> None:
-        """Shifts (copy-on-write copies first), then swap-outs, then swap-ins: before any of
-        the step's cache writes."""
+        """Shifts (copy-on-write copies first), ring copies, then swap-outs, then swap-ins:
+        before any of the step's cache writes."""
         for shift in out.shifts:
             for group, pairs in zip(self.groups, shift.copies):
                 copy_blocks(self.backend, group, pairs, self.kv_caches, self.kv_caches)
             rotate_shifted_keys(self.backend, self.kv_caches, self.groups, self.key_rope, shift)
+        for group, pairs in zip(self.groups, out.copies):
+            copy_blocks(self.backend, group, pairs, self.kv_caches, self.kv_caches)
         for group, pairs in zip(self.groups, out.swap_out):
             copy_blocks(self.backend, group, pairs, self.kv_caches, self.host_caches)
         for group, pairs in zip(self.groups, out.swap_in):

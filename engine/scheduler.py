@@ -61,6 +61,8 @@ class SchedulerOutput:
     # Cache moves, carried out in this order before the step's forward pass. A step swaps out
     # or in, never both, so a host block freed by a swap-in is not yet reused.
     shifts: list[CacheShift] = field(default_factory=list)
+    # Ring blocks a prefill chunk still reads but must not write over: copied to fresh ones.
+    copies: BlockPairs = field(default_factory=list)  # per group: (block, its fresh copy)
     swap_out: BlockPairs = field(default_factory=list)  # per group: (device, host)
     swap_in: BlockPairs = field(default_factory=list)  # per group: (host, device)
 
@@ -70,7 +72,7 @@ class SchedulerOutput:
 
     @property
     def has_cache_ops(self) -> bool:
-        return bool(self.shifts) or any(self.swap_out) or any(self.swap_in)
+        return bool(self.shifts) or any(self.copies) or any(self.swap_out) or any(self.swap_in)
 
 
 @dataclass
@@ -93,6 +95,11 @@ class _Step:
         self.preempted: list[str] = []
         self.swap_out: BlockPairs = [[] for _ in range(num_groups)]
         self.swap_in: BlockPairs = [[] for _ in range(num_groups)]
+        self.copies: BlockPairs = [[] for _ in range(num_groups)]
+
+    def allocated(self, copies: BlockPairs) -> None:
+        for pairs, new in zip(self.copies, copies):
+            pairs.extend(new)
 
     def add(self, req: Request, n: int) -> None:
         self.scheduled[req.request_id] = (req, n)
@@ -185,14 +192,15 @@ class Scheduler:
         while i < len(self.running) and step.budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, step.budget)
-            while not self.kv.can_allocate(req.block_tables, req.num_computed_tokens + n):
+            start = req.num_computed_tokens
+            while not self.kv.can_allocate(req.block_tables, start + n, start):
                 victim, was_scheduled = self._preempt(step, self.running)
                 if victim is req:
                     break
                 i -= was_scheduled  # it stood before req in self.running
             if req.status != RequestStatus.RUNNING:
                 continue  # req itself was preempted; self.running[i] is now the next one
-            self.kv.allocate(req.block_tables, req.num_computed_tokens + n)
+            step.allocated(self.kv.allocate(req.block_tables, start + n, start))
             step.add(req, n)
             i += 1
         if not step.preempted:  # else the running requests alone overfill the pool
@@ -207,6 +215,7 @@ class Scheduler:
             preempted_ids=step.preempted,
             # A recomputed or finished sequence's blocks are no longer its own to rotate.
             shifts=[s for s in self._shifts if self._status(s.request_id) in live],
+            copies=step.copies,
             swap_out=step.swap_out,
             swap_in=step.swap_in,
         )
@@ -257,7 +266,7 @@ class Scheduler:
         else:
             hit = self._take_prefix(req)
             n = min(req.num_tokens - hit, step.budget)
-            if not self.kv.can_allocate(req.block_tables, hit + n):
+            if not self.kv.can_allocate(req.block_tables, hit + n, hit):
                 self.kv.free(req.block_tables)
                 return 0
             self.waiting.remove(req)
@@ -265,7 +274,8 @@ class Scheduler:
             if self.kv.prefix_caching:
                 self.events.prefix_queries += req.num_tokens
                 self.events.prefix_hits += hit
-        self.kv.allocate(req.block_tables, req.num_computed_tokens + n)
+        start = req.num_computed_tokens
+        step.allocated(self.kv.allocate(req.block_tables, start + n, start))
         req.status = RequestStatus.RUNNING
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()

@@ -140,13 +140,29 @@ def test_recompute_preemption_finds_its_own_blocks_again(tiny_llama_dir):
     assert on.engine.metrics.prefix_hits._value.get() > 0
 
 
-def test_models_with_sliding_windows_run_without_caching(tmp_path):
+@pytest.mark.parametrize("window_blocks_evicted", [False, True])
+def test_a_sliding_window_model_hits_where_the_last_window_is_cached(
+    tmp_path, window_blocks_evicted
+):
+    """Gemma 3 (a ring of 5 blocks of 8 for its window of 32, and a full layer): prompts longer
+    than the ring share a prefix. Evicting the local pool's cached blocks leaves the full
+    layer's prefix useless: a hit needs the window before it in every group."""
     from tests.helpers import save_tiny_gemma3
 
     save_tiny_gemma3(tmp_path)
-    waves = shared_prefix_waves(120)
-    llm = make(tmp_path)
-    assert not llm.engine.kv.prefix_caching
-    tokens, cached = run_waves(llm, waves)
-    assert cached == [0] * len(cached)
+    system = random_prompt(70, 120, seed=1)
+    first = [(system + random_prompt(9 + i, 120, seed=10 + i), 12) for i in range(2)]
+    waves = [first, [(first[0][0], 5), (system + random_prompt(20, 120, seed=30), 5)]]
+    on = make(tmp_path)
+    if window_blocks_evicted:
+        forget = on.engine.kv.pools[0].reset_cache  # the sliding-window group's pool
+        step = on.engine.step
+        on.engine.step = lambda: (step(), forget())[0]
+    tokens, cached = run_waves(on, waves)
     assert tokens == run_waves(make(tmp_path, enable_prefix_caching=False), waves)[0]
+    assert on.engine.runner.groups[0].spec.window == 32
+    if window_blocks_evicted:
+        assert cached == [0, 0, 0, 0]
+    else:
+        assert cached[2] == (len(first[0][0]) - 1) // BLOCK * BLOCK > 40
+        assert cached[3] == len(system) // BLOCK * BLOCK
