@@ -39,7 +39,10 @@ class Sampler:
         """logits [n, V] for n requests -> (token id, logprob record or None) per request, or
         the exception sampling raised for that request alone (the others are unaffected)."""
         logits = logits.float()
-        if all(p.greedy and p.logprobs is None and not _has_penalty(p) for p in params):
+        if all(
+            p.greedy and p.logprobs is None and not _has_penalty(p) and not p.logit_bias
+            for p in params
+        ):
             if all(p.min_tokens == 0 for p in params):
                 return [(t, None) for t in logits.argmax(dim=-1).tolist()]
         results = []
@@ -56,6 +59,9 @@ class Sampler:
         self, row: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]
     ) -> torch.Tensor:
         row = row.clone()
+        if p.logit_bias:
+            ids, bias = zip(*p.logit_bias)
+            row[torch.tensor(ids, device=row.device)] += torch.tensor(bias, device=row.device)
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(prompt) | set(output)), device=row.device)
             if seen.numel():

@@ -35,6 +35,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k: chosen token plus k alternatives
     skip_special_tokens: bool = True
     min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's
     overflow: ContextOverflow | None = None  # None: the engine's default context policy
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -43,6 +44,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         floats = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                   "repetition_penalty")  # fmt: skip
         seed_ok = self.seed is None or INT64[0] <= self.seed <= INT64[1]
@@ -70,6 +73,11 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
             (self.min_tokens >= 0, "min_tokens", "must be non-negative"),
             (all(s for s in self.stop), "stop", "must not contain empty strings"),
+            (
+                all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
+                "logit_bias",
+                "must map token ids to biases in [-100, 100]",
+            ),
         ]
         for ok, param, message in checks:
             if not ok:

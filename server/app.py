@@ -426,6 +426,7 @@ class OpenAIServer:
                         stop_reason=delta.stop_reason,
                     )
                 ],
+                usage=gen.usage(usage_prompt, req.n) if req.continuous_usage else None,
             )
             yield sse(chunk)
         if req.include_usage:
@@ -492,6 +493,8 @@ class OpenAIServer:
         created = int(time.time())
 
         def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
+            if usage is None and req.continuous_usage:
+                usage = gen.usage(usage_prompt, req.n)
             return sse(
                 ChatCompletionChunk(
                     id=rid,

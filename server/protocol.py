@@ -24,7 +24,6 @@ UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "function_call": ("function calling", ("none",)),
     "parallel_tool_calls": ("tool calling", (False, True)),
     "response_format": ("structured output; only {'type': 'text'}", ({"type": "text"},)),
-    "logit_bias": ("", ({},)),
     "best_of": ("", (1,)),
     "suffix": ("", ("",)),
     "echo": ("", (False,)),
@@ -102,6 +101,7 @@ class RequestBody(OpenAIBody):
 
 class StreamOptions(OpenAIBody):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage so far in every chunk
 
 
 class OverflowOptions(OpenAIBody):
@@ -155,6 +155,9 @@ class SamplingFields(RequestBody):
     metadata: dict[str, str] | None = None
     store: bool | None = None  # nothing is stored either way
     safety_identifier: str | None = None
+    service_tier: str | None = None  # one tier here
+    prompt_cache_key: str | None = None  # prefix caching needs no hint
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     # vLLM extensions
     top_k: StrictInt = 0
     min_p: float = 0.0
@@ -184,6 +187,20 @@ class SamplingFields(RequestBody):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    def _logit_bias(self) -> tuple[tuple[int, float], ...]:
+        out = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise RequestError(
+                    f"logit_bias keys must be token ids, got {key!r}.", param="logit_bias"
+                )
+            out.append((int(key), bias))
+        return tuple(out)
+
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, seed_offset: int = 0
     ) -> SamplingParams:
@@ -205,6 +222,7 @@ class SamplingFields(RequestBody):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             min_tokens=self.min_tokens,
+            logit_bias=self._logit_bias(),
             overflow=self.overflow.to_engine() if self.overflow is not None else None,
         )
 

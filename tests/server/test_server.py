@@ -197,6 +197,31 @@ def test_completion_counts_tokens_and_honours_max_tokens(client, served):
     assert r.usage.prompt_tokens == len(tokenize(url, prompt=PROMPT))
 
 
+def test_logit_bias_removes_and_forces_tokens(client, served):
+    _, url = served
+    kwargs = dict(model=SERVED_NAME, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1)
+    top = client.completions.create(**kwargs).choices[0].logprobs.tokens[0]
+    (top_id,) = tokenize(url, prompt=top)  # the greedy token, a single one for this prompt
+    banned = client.completions.create(**kwargs, logit_bias={str(top_id): -100})
+    assert banned.choices[0].logprobs.tokens[0] != top
+    forced = client.completions.create(**{**kwargs, "max_tokens": 3}, logit_bias={"1024": 100})
+    expected = httpx.post(f"{url}/detokenize", json={"tokens": [1024] * 3}).json()["prompt"]
+    assert forced.choices[0].text == expected
+
+
+def test_continuous_usage_stats_put_usage_in_every_chunk(client):
+    chunks = list(
+        client.chat.completions.create(
+            model=SERVED_NAME, messages=CHAT, max_tokens=5, temperature=0, stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body={"ignore_eos": True}, service_tier="auto", prompt_cache_key="k",
+        )
+    )  # fmt: skip
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 5
+
+
 def test_a_repeated_prompt_reports_cached_tokens_until_the_cache_is_reset(client, served):
     _, url = served
     prompt = "A unique preamble for the prefix cache test. " + "The sea is calm tonight. " * 12
