@@ -482,16 +482,10 @@ def synthetic_requests(
         est[session] += int(n_in)
         after = i - sessions if turn else None
         if config.endpoint == "chat":
-            out.append(
-                BenchRequest(
-                    int(n_out), messages=messages, prompt_tokens_est=est[session], after=after
-                )
-            )
+            content: dict[str, Any] = {"messages": messages}
         else:
-            prompt = "\n".join(m["content"] for m in messages)
-            out.append(
-                BenchRequest(int(n_out), prompt=prompt, prompt_tokens_est=est[session], after=after)
-            )
+            content = {"prompt": "\n".join(m["content"] for m in messages)}
+        out.append(BenchRequest(int(n_out), prompt_tokens_est=est[session], after=after, **content))
         reply = _words(int(n_out), tokens_per_word, rng)
         history[session] = messages + [{"role": "assistant", "content": reply}]
         est[session] += int(n_out)

@@ -196,7 +196,6 @@ class AsyncEngine:
         except BaseException as e:  # raised again on the caller's thread
             built.put(e)
             return
-        self.last_beat = time.monotonic()
         built.put(None)
         while not self._stopping.is_set():
             self._take_commands()

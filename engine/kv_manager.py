@@ -95,10 +95,9 @@ class KVCacheManager:
         for g, pool, table in zip(self.groups, self.pools, tables):
             pairs = []
             for e, copy in self._fresh_entries(g, pool, table, start, num_tokens):
-                old, (table[e],) = table[e], pool.allocate(1)
+                old = _give_fresh_block(pool, table, e)
                 if copy:
                     pairs.append((old, table[e]))
-                pool.free([old])
             grow = g.spec.num_blocks(num_tokens, self.block_size) - len(table)
             table.extend(pool.allocate(max(0, grow)))
             copies.append(pairs)
@@ -183,9 +182,9 @@ class KVCacheManager:
         bs = self.block_size
         for g, pool, table, blocks in zip(self.groups, self.pools, tables, found):
             if not g.spec.window:
-                table.extend(blocks[:n])
-                for b in table:
+                for b in blocks[:n]:
                     pool.take(b)
+                table.extend(blocks[:n])
                 continue
             ring = g.spec.ring_len(bs)
             table.extend([-1] * min(n, ring))
@@ -284,9 +283,7 @@ class KVCacheManager:
             for i in range(start_moved, len(table)):
                 b = table[i]
                 if pool.ref_counts[b] > 1:
-                    (table[i],) = pool.allocate(1)
-                    pairs.append((b, table[i]))
-                    pool.free([b])
+                    pairs.append((_give_fresh_block(pool, table, i), table[i]))
                 else:
                     pool.uncache(b)
             moved.append(table[start_moved:])
@@ -383,3 +380,11 @@ class KVCacheManager:
                     assert owners.get(b, 0) == refs, (
                         f"{kind} group {gi} block {b}: {refs} refs, {owners.get(b, 0)} owners"
                     )
+
+
+def _give_fresh_block(pool: BlockPool, table: list[int], i: int) -> int:
+    """Replace ``table[i]`` by a fresh block, dropping one reference to the old one (which
+    others may still hold, or the cache keep); returns the old block."""
+    old, (table[i],) = table[i], pool.allocate(1)
+    pool.free([old])
+    return old

@@ -361,7 +361,7 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block; returns how many were cached."""
-        return self.scheduler.reset_prefix_cache()
+        return self.kv.reset_prefix_cache()
 
 
 def _describe(stage: str, error: BaseException) -> str:

@@ -286,14 +286,11 @@ class Scheduler:
     def _take_prefix(self, req: Request) -> int:
         """Start a waiting request's tables with its longest cached prefix (at least one token
         is left to compute: its logits are needed); returns the prefix's tokens."""
-        if not self.kv.prefix_caching or req.num_computed_tokens:
-            return req.num_computed_tokens
+        if not self.kv.prefix_caching:
+            return 0
         keys = self.kv.block_keys(req.token_ids, req.block_keys)
         found = self.kv.find_prefix(req.token_ids, keys, req.num_tokens - 1)
         return self.kv.take_prefix(req.block_tables, found)
-
-    def reset_prefix_cache(self) -> int:
-        return self.kv.reset_prefix_cache()
 
     def _to_plain(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
