@@ -49,3 +49,5 @@ def _merge(total: RequestOutput, delta: RequestOutput) -> None:
     acc.finish_reason, acc.stop_reason, acc.error = new.finish_reason, new.stop_reason, new.error
     total.finished = delta.finished
     total.num_cached_tokens = delta.num_cached_tokens
+    if delta.prompt_logprobs is not None:
+        total.prompt_logprobs = delta.prompt_logprobs

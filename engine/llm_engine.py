@@ -23,7 +23,7 @@ from engine.errors import QueueFullError, RequestError
 from engine.kv_manager import KVCacheManager
 from engine.metrics import EngineMetrics
 from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.preemption import Admission
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -93,6 +93,8 @@ class LLMEngine:
             enable_prefix_caching=self.kv.prefix_caching,
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # Prompt logprobs gathered chunk by chunk until the request's first output.
+        self._prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         self._queue_wait = 1.0  # recent time from arrival to scheduling, for Retry-After
         log.info(
             "model %s (%s, %s on %s, %s attention), max_model_len %d; %d torch threads; "
@@ -167,6 +169,12 @@ class LLMEngine:
             param = "overflow" if decision.code == "invalid_overflow" else "messages"
             raise RequestError(decision.message, param=param, code=decision.code)
         drop = decision if isinstance(decision, Drop) else None
+        if drop is not None and params.prompt_logprobs is not None:
+            message = (
+                f"prompt_logprobs needs the whole prompt, but the {policy.name} context policy "
+                f"would drop {drop.count} of its tokens."
+            )
+            raise RequestError(message, param="prompt_logprobs")
         kept = n - (drop.count if drop else 0)
         limit = self.max_model_len
         wanted = kept + (params.max_tokens or limit)
@@ -229,6 +237,8 @@ class LLMEngine:
                 self.metrics.context_overflows.labels(policy.name).inc()
             self.scheduler.add_request(req)
             self._detokenizers[rid] = IncrementalDetokenizer(self.tokenizer, params)
+            if params.prompt_logprobs is not None:
+                self._prompt_logprobs[rid] = [None]
         self.record_gauges()
 
     def add_request(
@@ -245,6 +255,7 @@ class LLMEngine:
         if req is None:
             return None
         self._detokenizers.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
         self._finished(req)
         self.record_gauges()
         return RequestOutput(
@@ -267,11 +278,16 @@ class LLMEngine:
             self._record_step()
             return []
         try:
-            sampled = self.runner.execute(out)
+            sampled, prompt_logprobs = self.runner.execute(out)
         except Exception as e:
             log.exception("engine step failed; failing its %d requests", len(out.scheduled))
             reqs = [self.scheduler.requests.get(s.request_id) for s in out.scheduled]
             return self._fail([r for r in reqs if r is not None], _describe("the step", e))
+        for rid, (first, records) in prompt_logprobs.items():
+            gathered = self._prompt_logprobs.get(rid)
+            # A request recomputed after preemption predicts its prompt again: once is enough.
+            if gathered is not None and len(gathered) >= first:
+                gathered += records[len(gathered) - first :]
         failed = {rid: e for rid, e in sampled.items() if isinstance(e, Exception)}
         outputs = []
         for rid, e in failed.items():
@@ -328,7 +344,7 @@ class LLMEngine:
         )
         return RequestOutput(
             req.request_id, req.prompt_token_ids, [completion], req.finished,
-            req.num_cached_tokens,
+            req.num_cached_tokens, self._prompt_logprobs.pop(req.request_id, None),
         )  # fmt: skip
 
     def _fail(self, reqs: list[Request], error: str) -> list[RequestOutput]:
@@ -340,6 +356,7 @@ class LLMEngine:
                 self.scheduler.finish(req, "error")
             if self._detokenizers.pop(req.request_id, None) is not None:
                 self._finished(req)
+            self._prompt_logprobs.pop(req.request_id, None)
             out = CompletionOutput(0, finish_reason="error", error=error)
             outs.append(RequestOutput(req.request_id, req.prompt_token_ids, [out], True))
         return outs

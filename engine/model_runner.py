@@ -7,7 +7,7 @@ import torch
 from engine.config import CacheConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.outputs import TokenLogprob
-from engine.sampler import Sampler
+from engine.sampler import Sampler, logprobs_of
 from engine.scheduler import CacheShift, SchedulerOutput
 from kernels import cpu
 from kernels.backend import AttentionBackend
@@ -19,6 +19,10 @@ from models.kv_spec import KVCacheGroup, MLASpec
 from models.layers import use_cpu_kernels
 from models.loader import load_model
 
+PROMPT_LOGITS_ROWS = 256
+
+Sampled = dict[str, "tuple[int, TokenLogprob | None] | Exception"]
+PromptLogprobs = dict[str, tuple[int, list[TokenLogprob]]]
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -186,13 +190,16 @@ class ModelRunner:
         return hidden, [cu_list[i + 1] - 1 for i, s in enumerate(sched) if s.sample]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprob | None]]:
+    def execute(self, out: SchedulerOutput) -> tuple[Sampled, PromptLogprobs]:
+        """The step: each sampling request's (token, logprob record or None) or the exception
+        its sampling raised; and for requests asking for prompt logprobs, (position of the
+        first prompt token this step predicts, a record per predicted prompt token)."""
         self.sampler.forget(out.finished_ids)
         if out.has_cache_ops:
             self.apply_cache_ops(out)
         sched = out.scheduled
         if not sched:
-            return {}
+            return {}, {}
         tables = [s.block_tables for s in sched]
         if self.graphs and out.num_decodes == len(sched) and self.graphs.fits(len(sched), tables):
             ids = [s.token_ids[0] for s in sched]
@@ -200,8 +207,9 @@ class ModelRunner:
             rows = [i for i, s in enumerate(sched) if s.sample]
         else:
             hidden, rows = self._forward(out)
+        prompt_logprobs = self._prompt_logprobs(hidden, sched)
         if not rows:
-            return {}
+            return {}, prompt_logprobs
         chosen = [s for s in sched if s.sample]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         results = self.sampler.sample(
@@ -211,7 +219,27 @@ class ModelRunner:
             [s.prompt_token_ids for s in chosen],
             [s.output_token_ids for s in chosen],
         )
-        return {s.request_id: r for s, r in zip(chosen, results)}
+        return {s.request_id: r for s, r in zip(chosen, results)}, prompt_logprobs
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, sched: list) -> PromptLogprobs:
+        """Logprobs of the prompt tokens that this step's rows predict (row p predicts
+        token p + 1), for the requests that ask for them; raw model logprobs."""
+        out = {}
+        offset = 0
+        for s in sched:
+            n, k, prompt = len(s.token_ids), s.params.prompt_logprobs, s.prompt_token_ids
+            m = min(n, len(prompt) - 1 - s.start_pos)
+            if k is not None and m > 0:
+                first = s.start_pos + 1
+                records = []
+                # Logits of a long chunk are big (rows x vocabulary): a slice at a time.
+                for a in range(0, m, PROMPT_LOGITS_ROWS):
+                    b = min(m, a + PROMPT_LOGITS_ROWS)
+                    logits = self.model.compute_logits(hidden[offset + a : offset + b])
+                    records += logprobs_of(logits, prompt[first + a : first + b], k)
+                out[s.request_id] = (first, records)
+            offset += n
+        return out
 
 
 Caches = list[tuple[torch.Tensor, torch.Tensor]]  # (k, v) per layer; v may be a view of k

@@ -39,3 +39,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: one entry per prompt token (None for the first,
+    # which nothing predicts), in the request's first output.
+    prompt_logprobs: list[TokenLogprob | None] | None = None

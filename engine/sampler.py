@@ -130,11 +130,18 @@ def _has_penalty(p: SamplingParams) -> bool:
 
 
 def _logprob(row: torch.Tensor, token: int, k: int | None) -> TokenLogprob | None:
-    if k is None:
-        return None
-    logprobs = torch.log_softmax(row, dim=-1)
-    top = []
-    if k > 0:
-        values, ids = torch.topk(logprobs, k)
-        top = list(zip(ids.tolist(), values.tolist()))
-    return TokenLogprob(token, float(logprobs[token]), top)
+    return None if k is None else logprobs_of(row[None], [token], k)[0]
+
+
+def logprobs_of(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
+    """For each row of ``logits`` [n, V]: the logprob of its token and the ``k`` best."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(token_ids, device=logprobs.device)
+    chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
+    if k == 0:
+        return [TokenLogprob(t, lp, []) for t, lp in zip(token_ids, chosen)]
+    values, top_ids = torch.topk(logprobs, k)
+    return [
+        TokenLogprob(t, lp, list(zip(i, v)))
+        for t, lp, i, v in zip(token_ids, chosen, top_ids.tolist(), values.tolist())
+    ]

@@ -33,6 +33,8 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: off; k: chosen token plus k alternatives
+    # None: off; k: each prompt token's logprob plus k alternatives (vLLM's extension).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's
@@ -71,6 +73,11 @@ class SamplingParams:
                 "must not exceed max_tokens",
             ),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                "prompt_logprobs",
+                "must be in [0, 20]",
+            ),
             (self.min_tokens >= 0, "min_tokens", "must be non-negative"),
             (all(s for s in self.stop), "stop", "must not contain empty strings"),
             (

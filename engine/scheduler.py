@@ -285,8 +285,9 @@ class Scheduler:
 
     def _take_prefix(self, req: Request) -> int:
         """Start a waiting request's tables with its longest cached prefix (at least one token
-        is left to compute: its logits are needed); returns the prefix's tokens."""
-        if not self.kv.prefix_caching:
+        is left to compute: its logits are needed); returns the prefix's tokens. A request
+        asking for prompt logprobs computes its whole prompt: a cached prefix has no logits."""
+        if not self.kv.prefix_caching or req.params.prompt_logprobs is not None:
             return 0
         keys = self.kv.block_keys(req.token_ids, req.block_keys)
         found = self.kv.find_prefix(req.token_ids, keys, req.num_tokens - 1)

@@ -143,3 +143,23 @@ def test_incremental_detokenizer_never_emits_broken_utf8(smollm2_dir):
     pieces.append(det.take(finished=True))
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == tok.decode(ids) == text
+
+
+def test_prompt_logprobs_equal_transformers_through_chunks_and_a_warm_cache(llm, hf_model):
+    """Every prompt token's logprob and top alternatives, from prefill chunks of 96 tokens;
+    the prompt was cached by an earlier request, and is computed again for its logits."""
+    ids = llm.tokenizer.encode(PROMPTS[3])
+    llm.generate([ids], SamplingParams(max_tokens=1, temperature=0))  # warms the cache
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)
+    (out,) = llm.generate([ids], params)
+    assert out.num_cached_tokens == 0
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
+    got = out.prompt_logprobs
+    assert len(got) == len(ids) and got[0] is None
+    for p, record in enumerate(got[1:]):
+        assert record.token_id == ids[p + 1]
+        assert abs(record.logprob - ref[p, ids[p + 1]].item()) < 1e-3
+        ref_top = torch.topk(ref[p], 3)
+        assert [t for t, _ in record.top] == ref_top.indices.tolist()
+        assert max(abs(v - r) for (_, v), r in zip(record.top, ref_top.values.tolist())) < 1e-3
