@@ -10,6 +10,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+    rank: int = 1  # 1 + how many tokens are more likely
 
 
 @dataclass

@@ -137,11 +137,13 @@ def logprobs_of(logits: torch.Tensor, token_ids: list[int], k: int) -> list[Toke
     """For each row of ``logits`` [n, V]: the logprob of its token and the ``k`` best."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     ids = torch.tensor(token_ids, device=logprobs.device)
-    chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
+    chosen = logprobs.gather(1, ids[:, None])
+    ranks = ((logprobs > chosen).sum(1) + 1).tolist()
+    chosen = chosen[:, 0].tolist()
     if k == 0:
-        return [TokenLogprob(t, lp, []) for t, lp in zip(token_ids, chosen)]
+        return [TokenLogprob(t, lp, [], r) for t, lp, r in zip(token_ids, chosen, ranks)]
     values, top_ids = torch.topk(logprobs, k)
     return [
-        TokenLogprob(t, lp, list(zip(i, v)))
-        for t, lp, i, v in zip(token_ids, chosen, top_ids.tolist(), values.tolist())
+        TokenLogprob(t, lp, list(zip(i, v)), r)
+        for t, lp, i, v, r in zip(token_ids, chosen, top_ids.tolist(), values.tolist(), ranks)
     ]

@@ -45,6 +45,8 @@ from server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    PromptLogprob,
+    PromptLogprobs,
     TokenizeRequest,
     TokenizeResponse,
     TopLogprob,
@@ -107,6 +109,7 @@ class ChoiceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, delta: CompletionOutput) -> None:
         self.text += delta.text
@@ -195,6 +198,8 @@ class Generation:
     def _apply(self, which: int, out: RequestOutput) -> tuple[ChoiceState, CompletionOutput]:
         choice = self.choices[which]
         self.cached[which] = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            choice.prompt_logprobs = out.prompt_logprobs
         delta = out.outputs[0]
         choice.add(delta)
         return choice, delta
@@ -221,10 +226,11 @@ class Generation:
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices.values())
 
-    def usage(self, prompt_tokens: int, n: int) -> Usage:
-        """Usage of prompts counted once each (``n`` requests, one per choice, per prompt)."""
+    def usage(self, prompt_tokens: int, n: int, scores_only: bool = False) -> Usage:
+        """Usage of prompts counted once each (``n`` requests, one per choice, per prompt);
+        ``scores_only``: the generated tokens are not part of the answer."""
         cached = sum(self.cached[::n])
-        return Usage.of(prompt_tokens, self.completion_tokens(), cached)
+        return Usage.of(prompt_tokens, 0 if scores_only else self.completion_tokens(), cached)
 
 
 def check_finished(choice: ChoiceState) -> None:
@@ -234,6 +240,38 @@ def check_finished(choice: ChoiceState) -> None:
 
 def engine_error(index: int, message: str | None) -> str:
     return f"The engine failed choice {index}: {message or 'unknown error'}"
+
+
+@dataclass
+class Echo:
+    """What each completion choice starts with under ``echo``: its prompt's text and, with
+    logprobs, its prompt tokens' logprobs (choice i answers prompt i // n)."""
+
+    server: OpenAIServer
+    req: CompletionRequest
+    prompts: list[list[int]]
+
+    def text(self, index: int) -> str:
+        if not self.req.echo:
+            return ""
+        prompt = self.req.prompts[index // self.req.n]
+        if isinstance(prompt, str):
+            return prompt
+        tok = self.server.engine.tokenizer
+        return tok.decode(prompt, self.req.skip_special_tokens) if tok is not None else ""
+
+    def logprobs(
+        self, choice: ChoiceState, generated: CompletionLogprobs | None
+    ) -> CompletionLogprobs | None:
+        """The prompt's logprobs followed by ``generated`` (offsets already past the prompt)."""
+        if not self.req.echo or self.req.logprobs is None:
+            return generated
+        ids = self.prompts[choice.index // self.req.n]
+        out = self.server.completion_logprobs(choice.prompt_logprobs, self.req.logprobs, 0, ids)
+        if generated is not None:
+            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                getattr(out, name).extend(getattr(generated, name))
+        return out
 
 
 # ---- the server ----
@@ -372,87 +410,138 @@ class OpenAIServer:
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
         rid = random_id("cmpl")
-        params = [req.sampling_params(req.max_tokens, req.logprobs, k) for k in range(req.n)]
+        max_tokens = 1 if req.scores_only else req.max_tokens
+        plp = req.engine_prompt_logprobs
+        params = [req.sampling_params(max_tokens, req.logprobs, k, plp) for k in range(req.n)]
         self.admit(len(req.prompts), req.n)
         prompts = await self.text_prompts(req.prompts)
         gen = await self.generation(rid, prompts, params, req.priority)
+        echo = Echo(self, req, prompts)
         usage_prompt = sum(len(ids) for ids in prompts)
         if req.stream:
-            return sse_response(self.completion_events(rid, gen, req, usage_prompt))
+            return sse_response(self.completion_events(rid, gen, req, usage_prompt, echo))
         choices = await self.collect(gen, request)
-        return json_response(
-            CompletionResponse(
-                id=rid,
-                model=self.served_model_name,
-                choices=[
-                    CompletionChoice(
-                        index=c.index,
-                        text=c.text,
-                        logprobs=self.completion_logprobs(c.logprobs, req.logprobs, 0),
-                        finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason,
-                    )
-                    for c in choices
-                ],
-                usage=gen.usage(usage_prompt, req.n),
+        body = []
+        for c in choices:
+            text, entries = ("", []) if req.scores_only else (c.text, c.logprobs)
+            logprobs = self.completion_logprobs(entries, req.logprobs, len(echo.text(c.index)))
+            body.append(
+                CompletionChoice(
+                    index=c.index,
+                    text=echo.text(c.index) + text,
+                    logprobs=echo.logprobs(c, logprobs),
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    prompt_logprobs=self.prompt_logprobs(c.prompt_logprobs, req.prompt_logprobs),
+                )
             )
+        usage = gen.usage(usage_prompt, req.n, req.scores_only)
+        return json_response(
+            CompletionResponse(id=rid, model=self.served_model_name, choices=body, usage=usage)
         )
 
     async def completion_events(
-        self, rid: str, gen: Generation, req: CompletionRequest, usage_prompt: int
+        self, rid: str, gen: Generation, req: CompletionRequest, usage_prompt: int, echo: Echo
     ) -> AsyncIterator[str]:
         created = int(time.time())
         offsets = dict.fromkeys(gen.choices, 0)
+        first = set(gen.choices)  # choices that have not sent a chunk yet
+
+        def usage() -> Usage:
+            return gen.usage(usage_prompt, req.n, req.scores_only)
+
         async for choice, delta in gen.deltas():
-            logprobs = self.completion_logprobs(delta.logprobs, req.logprobs, offsets[choice.index])
-            if logprobs is not None:
-                offsets[choice.index] += sum(len(t) for t in logprobs.tokens)
-            if not delta.text and delta.finish_reason is None and logprobs is None:
-                continue
             if delta.finish_reason == "error":
                 yield sse_error(EngineFailedError(engine_error(choice.index, choice.error)))
                 yield "data: [DONE]\n\n"
                 return
+            text, entries = ("", None) if req.scores_only else (delta.text, delta.logprobs)
+            index = choice.index
+            prefix = echo.text(index) if index in first else ""
+            logprobs = self.completion_logprobs(entries, req.logprobs, offsets[index] + len(prefix))
+            if index in first:
+                logprobs = echo.logprobs(choice, logprobs)
+            if logprobs is not None:
+                offsets[index] += sum(len(t) for t in logprobs.tokens)
+            plp = None
+            if index in first:
+                plp = self.prompt_logprobs(choice.prompt_logprobs, req.prompt_logprobs)
+            if not (prefix or text or delta.finish_reason or logprobs or plp):
+                continue
             chunk = CompletionResponse(
                 id=rid,
                 created=created,
                 model=self.served_model_name,
                 choices=[
                     CompletionChoice(
-                        index=choice.index,
-                        text=delta.text,
+                        index=index,
+                        text=prefix + text,
                         logprobs=logprobs,
                         finish_reason=delta.finish_reason,
                         stop_reason=delta.stop_reason,
+                        prompt_logprobs=plp,
                     )
                 ],
-                usage=gen.usage(usage_prompt, req.n) if req.continuous_usage else None,
+                usage=usage() if req.continuous_usage else None,
             )
+            first.discard(index)
             yield sse(chunk)
         if req.include_usage:
-            usage = gen.usage(usage_prompt, req.n)
             yield sse(
                 CompletionResponse(
-                    id=rid, created=created, model=self.served_model_name, choices=[], usage=usage
+                    id=rid, created=created, model=self.served_model_name, choices=[], usage=usage()
                 )
             )
         yield "data: [DONE]\n\n"
 
     def completion_logprobs(
-        self, entries: list[TokenLogprob] | None, k: int | None, offset: int
+        self,
+        entries: list[TokenLogprob | None] | None,
+        k: int | None,
+        offset: int,
+        token_ids: list[int] | None = None,
     ) -> CompletionLogprobs | None:
+        """The legacy format; an entry None (the first prompt token's, with echo) is a token
+        without logprobs, its id from ``token_ids``."""
         if k is None or not entries:
             return None
+        token_ids = token_ids or [e.token_id for e in entries]
         out = CompletionLogprobs()
-        for entry in entries:
-            token = self.token_text(entry.token_id)
-            top = {self.token_text(t): clamp(lp) for t, lp in entry.top[:k]}
-            top.setdefault(token, clamp(entry.logprob))
+        for token_id, entry in zip(token_ids, entries):
+            token = self.token_text(token_id)
             out.tokens.append(token)
-            out.token_logprobs.append(clamp(entry.logprob))
-            out.top_logprobs.append(top)
             out.text_offset.append(offset)
             offset += len(token)
+            if entry is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            top = {self.token_text(t): clamp(lp) for t, lp in entry.top[:k]}
+            top.setdefault(token, clamp(entry.logprob))
+            out.token_logprobs.append(clamp(entry.logprob))
+            out.top_logprobs.append(top)
+        return out
+
+    def prompt_logprobs(
+        self, entries: list[TokenLogprob | None] | None, k: int | None
+    ) -> PromptLogprobs | None:
+        """vLLM's shape: per prompt token (None for the first), the token and its ``k`` best
+        alternatives keyed by token id."""
+        if k is None or entries is None:
+            return None
+        out = []
+        for entry in entries:
+            if entry is None:
+                out.append(None)
+                continue
+            top = [(entry.token_id, entry.logprob, entry.rank)]
+            top += [(t, lp, rank) for rank, (t, lp) in enumerate(entry.top[:k], 1)]
+            record: dict[str, PromptLogprob] = {}
+            for t, lp, rank in top:
+                decoded = self.token_text(t)
+                record.setdefault(str(t), PromptLogprob(logprob=clamp(lp), rank=rank,
+                                                        decoded_token=decoded))  # fmt: skip
+            out.append(record)
         return out
 
     # -- /v1/chat/completions --
@@ -461,7 +550,8 @@ class OpenAIServer:
         self.check_model(req.model)
         rid = random_id("chatcmpl")
         params = [
-            req.sampling_params(req.max_new_tokens, req.num_logprobs, k) for k in range(req.n)
+            req.sampling_params(req.max_new_tokens, req.num_logprobs, k, req.prompt_logprobs)
+            for k in range(req.n)
         ]
         self.admit(1, req.n)
         prompt = await asyncio.to_thread(self.chat_prompt, req.messages)
@@ -484,6 +574,9 @@ class OpenAIServer:
                     for c in choices
                 ],
                 usage=gen.usage(len(prompt), req.n),
+                prompt_logprobs=self.prompt_logprobs(
+                    choices[0].prompt_logprobs, req.prompt_logprobs
+                ),  # fmt: skip
             )
         )
 

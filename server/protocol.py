@@ -26,7 +26,6 @@ UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "response_format": ("structured output; only {'type': 'text'}", ({"type": "text"},)),
     "best_of": ("", (1,)),
     "suffix": ("", ("",)),
-    "echo": ("", (False,)),
     "audio": ("audio output", ()),
     "modalities": ("only ['text']", (["text"],)),
     "prediction": ("predicted outputs", ()),
@@ -164,6 +163,9 @@ class SamplingFields(RequestBody):
     repetition_penalty: float = 1.0
     min_tokens: StrictInt = 0
     stop_token_ids: list[StrictInt] | None = None
+    prompt_logprobs: StrictInt | None = Field(
+        None, description="Logprobs of the prompt's tokens with this many alternatives each."
+    )
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -202,7 +204,11 @@ class SamplingFields(RequestBody):
         return tuple(out)
 
     def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, seed_offset: int = 0
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        seed_offset: int = 0,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(
@@ -220,6 +226,7 @@ class SamplingFields(RequestBody):
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             min_tokens=self.min_tokens,
             logit_bias=self._logit_bias(),
@@ -268,12 +275,31 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = None
+    echo: bool = Field(
+        False,
+        description="Prepend the prompt to the text, and with logprobs its tokens' logprobs "
+        "(the first token's are null). With max_tokens 0 the prompt alone is scored.",
+    )
 
     @model_validator(mode="after")
     def _check_prompt(self) -> CompletionRequest:
         if not self.prompt:
             raise _field_error("prompt", "prompt must not be empty.")
+        if self.max_tokens == 0 and not self.echo:
+            raise _field_error("max_tokens", "max_tokens may be 0 only with echo.")
         return self
+
+    @property
+    def scores_only(self) -> bool:
+        """Echo with max_tokens 0: one token is generated and left out of the answer."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token the engine computes: for echo and prompt_logprobs."""
+        echoed = self.logprobs if self.echo else None
+        wanted = [k for k in (self.prompt_logprobs, echoed) if k is not None]
+        return max(wanted) if wanted else None
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -378,9 +404,20 @@ class CompletionLogprobs(BaseModel):
     """The legacy completions format: parallel lists, one entry per generated token."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # null: an echoed first
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)  # prompt token
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry: one per token, keyed by token id."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -389,6 +426,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -436,6 +474,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):

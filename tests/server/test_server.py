@@ -302,6 +302,83 @@ def test_completion_logprobs_legacy_format(client):
     assert "".join(lp.tokens).startswith(r.choices[0].text)
 
 
+def test_echo_scores_the_prompt_as_transformers_does(client, served, smollm2_dir):
+    """lm-evaluation-harness's loglikelihood request: token ids, echo, max_tokens 0."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    _, url = served
+    text = "The quick brown fox jumps over the lazy dog, and the dog does not mind."
+    ids = tokenize(url, prompt=text)
+    r = client.completions.create(
+        model=SERVED_NAME, prompt=ids, echo=True, max_tokens=0, logprobs=1, temperature=0
+    )
+    choice = r.choices[0]
+    lp = choice.logprobs
+    assert choice.text == text and r.usage.completion_tokens == 0
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+    expected = [ref[p, ids[p + 1]].item() for p in range(len(ids) - 1)]
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], expected)) < 1e-3
+    best = [ref[p].max().item() for p in range(len(ids) - 1)]
+    assert all(abs(max(top.values()) - b) < 1e-3 for top, b in zip(lp.top_logprobs[1:], best))
+
+
+def test_echo_streams_the_prompt_first_and_matches_non_stream(client):
+    kwargs = dict(model=SERVED_NAME, prompt=PROMPT, echo=True, logprobs=0, max_tokens=4,
+                  temperature=0)  # fmt: skip
+    whole = client.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    assert whole.text.startswith(PROMPT) and chunks[0].text.startswith(PROMPT)
+    assert "".join(c.text for c in chunks) == whole.text
+    streamed = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+    assert streamed == whole.logprobs.tokens
+    offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+    assert offsets == whole.logprobs.text_offset
+    plain = client.completions.create(**{**kwargs, "echo": False}).choices[0]
+    assert whole.text == PROMPT + plain.text
+    assert whole.logprobs.tokens[-4:] == plain.logprobs.tokens
+
+
+def test_prompt_logprobs_in_vllm_shape(client, served):
+    _, url = served
+    ids = tokenize(url, prompt=PROMPT)
+    extra = {"prompt_logprobs": 2}
+    r = client.completions.create(
+        model=SERVED_NAME, prompt=PROMPT, max_tokens=1, temperature=0, extra_body=extra
+    )
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    for token, entry in zip(ids[1:], plp[1:]):
+        own = entry[str(token)]
+        assert own["rank"] >= 1 and own["logprob"] <= 0 and own["decoded_token"]
+        ranked = sorted(entry.values(), key=lambda e: -e["logprob"])
+        assert {e["rank"] for e in entry.values()} >= {1, 2}
+        assert ranked[0]["rank"] == 1
+    chat = client.chat.completions.create(
+        model=SERVED_NAME, messages=CHAT, max_tokens=1, temperature=0, extra_body=extra
+    )
+    assert chat.model_extra["prompt_logprobs"][0] is None
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"messages": CHAT, "echo": True}, "echo"),
+    ],
+)
+def test_bad_echo_and_prompt_logprobs_get_400(served, body, param):
+    _, url = served
+    path = "chat/completions" if "messages" in body else "completions"
+    r = httpx.post(f"{url}/v1/{path}", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 # ---- the rest of the surface ----
 
 
