@@ -28,6 +28,7 @@ from engine.preemption import Admission
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured import Grammars
 from kernels.backend import get_backend
 from models.config import ModelConfig
 from models.fetch import resolve_model
@@ -57,9 +58,12 @@ class LLMEngine:
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
         eos = tuple(dict.fromkeys(tokenizer_eos + self.model_config.eos_token_ids))
         backend = get_backend(args.attention_backend, self.device, args.cpu_kernels)
+        vocab = self.model_config.vocab_size
+        self.grammars = Grammars(path / "tokenizer.json", vocab, eos) if has_tokenizer else None
         self.runner = ModelRunner(
-            self.model_config, dtype, self.device, backend, args.seed, eos, args.cpu_kernels
-        )
+            self.model_config, dtype, self.device, backend, args.seed, eos, args.cpu_kernels,
+            self.grammars,
+        )  # fmt: skip
         self.cache_config = self._cache_config(self.runner.groups)
         self.runner.allocate_kv_cache(self.cache_config)
         eager = "--enforce-eager" if args.enforce_eager else self.runner.graphs_unavailable()
@@ -161,6 +165,11 @@ class LLMEngine:
             raise RequestError(message, param="stop_token_ids")
         if any(t >= vocab for t, _ in params.logit_bias):
             raise RequestError(f"logit_bias token ids must be in [0, {vocab}).", param="logit_bias")
+        if params.structured is not None:
+            if self.grammars is None:
+                message = "Structured output needs the model's tokenizer, and it has none."
+                raise RequestError(message, param=params.structured.param)
+            self.grammars.grammar(params.structured)  # raises for an invalid one
         policy = self.context_policy(params)
         decision = self._context_decision(policy, n, params)
         if isinstance(decision, Reject):

@@ -9,6 +9,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, logprobs_of
 from engine.scheduler import CacheShift, SchedulerOutput
+from engine.structured import Grammars
 from kernels import cpu
 from kernels.backend import AttentionBackend
 from kernels.paged import AttentionMetadata, ForwardContext
@@ -36,6 +37,7 @@ class ModelRunner:
         seed: int,
         eos_token_ids: tuple[int, ...],
         cpu_kernels: bool = True,
+        grammars: Grammars | None = None,
     ):
         self.device = device
         self.dtype = TORCH_DTYPES[dtype]
@@ -49,7 +51,7 @@ class ModelRunner:
             for layer in g.layer_ids:
                 layer_to_group[layer] = gi
         self.layer_to_group = tuple(layer_to_group)
-        self.sampler = Sampler(seed, eos_token_ids, device)
+        self.sampler = Sampler(seed, eos_token_ids, device, grammars)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the swap pool
         self.cache_config: CacheConfig | None = None
@@ -200,6 +202,9 @@ class ModelRunner:
         sched = out.scheduled
         if not sched:
             return {}, {}
+        chosen = [s for s in sched if s.sample]
+        # Constrained requests' token masks are filled while the forward pass runs.
+        masks = self.sampler.start_masks([s.request_id for s in chosen], [s.params for s in chosen])
         tables = [s.block_tables for s in sched]
         if self.graphs and out.num_decodes == len(sched) and self.graphs.fits(len(sched), tables):
             ids = [s.token_ids[0] for s in sched]
@@ -210,7 +215,6 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(hidden, sched)
         if not rows:
             return {}, prompt_logprobs
-        chosen = [s for s in sched if s.sample]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         results = self.sampler.sample(
             logits,
@@ -218,6 +222,7 @@ class ModelRunner:
             [s.params for s in chosen],
             [s.prompt_token_ids for s in chosen],
             [s.output_token_ids for s in chosen],
+            masks,
         )
         return {s.request_id: r for s, r in zip(chosen, results)}, prompt_logprobs
 

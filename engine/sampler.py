@@ -2,22 +2,40 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import torch
 
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.structured import Grammars, apply_bitmask
 
 
 class Sampler:
-    def __init__(self, seed: int, eos_token_ids: tuple[int, ...], device: torch.device):
+    def __init__(
+        self,
+        seed: int,
+        eos_token_ids: tuple[int, ...],
+        device: torch.device,
+        grammars: Grammars | None = None,
+    ):
         self.device = device
         self.eos_token_ids = list(eos_token_ids)
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
+        self.grammars = grammars  # None: no tokenizer, no constraints
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.request_generators.pop(rid, None)
+        if self.grammars is not None:
+            self.grammars.forget(request_ids)
+
+    def start_masks(self, request_ids: list[str], params: list[SamplingParams]) -> Future | None:
+        """Starts filling the token masks of the constrained requests among those about to be
+        sampled (their rows in order); None when there are none."""
+        constrained = [(r, p.structured) for r, p in zip(request_ids, params) if p.structured]
+        return self.grammars.fill_async(constrained) if constrained else None
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         if params.seed is None:
@@ -35,10 +53,27 @@ class Sampler:
         params: list[SamplingParams],
         prompt_ids: list[list[int]],
         output_ids: list[list[int]],
+        masks: Future | None = None,
     ) -> list[tuple[int, TokenLogprob | None] | Exception]:
         """logits [n, V] for n requests -> (token id, logprob record or None) per request, or
-        the exception sampling raised for that request alone (the others are unaffected)."""
+        the exception sampling raised for that request alone (the others are unaffected).
+        ``masks``: from ``start_masks`` for the same requests."""
         logits = logits.float()
+        if masks is not None:
+            rows = [i for i, p in enumerate(params) if p.structured]
+            constrained = logits[rows]
+            apply_bitmask(constrained, masks.result())
+            logits[rows] = constrained
+        results = self._sample(logits, request_ids, params, prompt_ids, output_ids)
+        for i, p in enumerate(params):
+            if p.structured and not isinstance(results[i], Exception):
+                try:
+                    self.grammars.accept(request_ids[i], results[i][0])
+                except Exception as e:
+                    results[i] = e
+        return results
+
+    def _sample(self, logits, request_ids, params, prompt_ids, output_ids) -> list:
         if all(
             p.greedy and p.logprobs is None and not _has_penalty(p) and not p.logit_bias
             for p in params

@@ -17,6 +17,28 @@ REPETITION_PENALTY = (0.01, 2.0)
 INT64 = (-(2**63), 2**63 - 1)
 
 
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """Structured output: the generated text must match this.
+
+    ``kind`` json: ``value`` is a JSON schema; regex: a regular expression; choice: a JSON list
+    of strings; grammar: a GBNF (llama.cpp) or Lark grammar. ``param`` names the request field
+    it came from, for error messages.
+    """
+
+    kind: str
+    value: str
+    param: str = field(default="structured_outputs", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            message = f"A constraint is one of {', '.join(CONSTRAINT_KINDS)}; got {self.kind!r}."
+            raise RequestError(message, param=self.param)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int | None = 16  # None: up to the context limit
@@ -39,6 +61,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's
     overflow: ContextOverflow | None = None  # None: the engine's default context policy
+    structured: Constraint | None = None  # None: unconstrained
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

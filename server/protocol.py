@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -11,7 +12,7 @@ from pydantic_core import PydanticCustomError
 
 from engine.context_overflow import CONTEXT_POLICIES, ContextOverflow
 from engine.errors import RequestError
-from engine.sampling_params import INT64, SamplingParams
+from engine.sampling_params import INT64, Constraint, SamplingParams
 
 # OpenAI fields we deliberately leave out. A request may still carry one when its value means
 # "off" (clients often send the default explicitly); anything else is refused by name, so a
@@ -23,7 +24,6 @@ UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "functions": ("function calling", ([],)),
     "function_call": ("function calling", ("none",)),
     "parallel_tool_calls": ("tool calling", (False, True)),
-    "response_format": ("structured output; only {'type': 'text'}", ({"type": "text"},)),
     "best_of": ("", (1,)),
     "suffix": ("", ("",)),
     "audio": ("audio output", ()),
@@ -39,6 +39,7 @@ TYPE_HINTS = {
     "stop": "stop must be a string or a list of strings.",
 }
 
+ANY_JSON_OBJECT = '{"type": "object"}'
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
 # JSON has no -Infinity; masked-out alternatives get this instead, as vLLM does.
@@ -136,6 +137,65 @@ class OverflowOptions(OpenAIBody):
         return ContextOverflow(self.policy, self.n_keep, self.n_discard)
 
 
+class JSONSchemaFormat(OpenAIBody):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBody):
+    """OpenAI's: text (no constraint), json_object (any JSON object), json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            message = "response_format.json_schema is required with, and only with, json_schema."
+            raise _field_error("response_format", message)
+        return self
+
+    def constraint(self) -> Constraint | None:
+        if self.type == "json_object":
+            return Constraint("json", ANY_JSON_OBJECT, "response_format")
+        if self.type == "json_schema":
+            return Constraint("json", json.dumps(self.json_schema.json_schema), "response_format")
+        return None
+
+
+class StructuredOutputs(OpenAIBody):
+    """vLLM's structured_outputs: exactly one of its fields."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def constraint(self) -> Constraint:
+        given = [
+            name
+            for name in ("json_", "regex", "choice", "grammar", "json_object")
+            if getattr(self, name) not in (None, False)
+        ]
+        if len(given) != 1:
+            message = "structured_outputs takes exactly one of json, regex, choice, grammar, " \
+                "json_object."  # fmt: skip
+            raise RequestError(message, param="structured_outputs")
+        param = "structured_outputs"
+        if self.json_ is not None:
+            schema = self.json_ if isinstance(self.json_, str) else json.dumps(self.json_)
+            return Constraint("json", schema, param)
+        if self.json_object:
+            return Constraint("json", ANY_JSON_OBJECT, param)
+        if self.choice is not None:
+            return Constraint("choice", json.dumps(self.choice), param)
+        kind = given[0]
+        return Constraint(kind, getattr(self, kind), param)
+
+
 class SamplingFields(RequestBody):
     """Fields both generation endpoints share, OpenAI's and vLLM's extensions."""
 
@@ -172,6 +232,11 @@ class SamplingFields(RequestBody):
     priority: StrictInt = Field(
         0, description="Lower runs first and is preempted last (vLLM's convention)."
     )
+    # structured output: OpenAI's, vLLM's and llama.cpp's spellings (one of them at a time)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    grammar: str | None = Field(None, description="llama.cpp: a GBNF grammar.")
+    json_schema: dict[str, Any] | None = Field(None, description="llama.cpp: a JSON schema.")
     # kvserve extension
     overflow: OverflowOptions | None = Field(
         None, description="Context-overflow policy for this request; default: the server's."
@@ -203,6 +268,22 @@ class SamplingFields(RequestBody):
             out.append((int(key), bias))
         return tuple(out)
 
+    def constraint(self) -> Constraint | None:
+        """The request's structured-output constraint, from whichever field gave one."""
+        found = []
+        if self.response_format is not None and self.response_format.constraint():
+            found.append(self.response_format.constraint())
+        if self.structured_outputs is not None:
+            found.append(self.structured_outputs.constraint())
+        if self.grammar is not None:
+            found.append(Constraint("grammar", self.grammar, "grammar"))
+        if self.json_schema is not None:
+            found.append(Constraint("json", json.dumps(self.json_schema), "json_schema"))
+        if len(found) > 1:
+            message = "Give one of response_format, structured_outputs, grammar, json_schema."
+            raise RequestError(message, param=found[1].param)
+        return found[0] if found else None
+
     def sampling_params(
         self,
         max_tokens: int | None,
@@ -231,6 +312,7 @@ class SamplingFields(RequestBody):
             min_tokens=self.min_tokens,
             logit_bias=self._logit_bias(),
             overflow=self.overflow.to_engine() if self.overflow is not None else None,
+            structured=self.constraint(),
         )
 
 

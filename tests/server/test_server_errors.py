@@ -31,7 +31,45 @@ BAD_REQUESTS = [
     (CHAT, {"messages": MSG, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
     (CHAT, {"messages": MSG, "functions": [{"name": "f"}]}, 400, "functions"),
-    (CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    (
+        CHAT,
+        {
+            "messages": MSG,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+            },
+        },
+        400,
+        "response_format",
+    ),  # fmt: skip
+    (CHAT, {"messages": MSG, "response_format": {"type": "xml"}}, 400, "response_format.type"),
+    (
+        COMPLETIONS,
+        {"prompt": "Hi", "structured_outputs": {"regex": "(ab"}},
+        400,
+        "structured_outputs",
+    ),
+    (
+        COMPLETIONS,
+        {"prompt": "Hi", "structured_outputs": {"regex": "a", "choice": ["b"]}},
+        400,
+        "structured_outputs",
+    ),  # fmt: skip
+    (
+        COMPLETIONS,
+        {"prompt": "Hi", "structured_outputs": {"json": "{not json"}},
+        400,
+        "structured_outputs",
+    ),  # fmt: skip
+    (COMPLETIONS, {"prompt": "Hi", "grammar": "root ::= foo"}, 400, "grammar"),
+    (
+        COMPLETIONS,
+        {"prompt": "Hi", "grammar": 'root ::= "a"', "json_schema": {}},
+        400,
+        "json_schema",
+    ),  # fmt: skip
     (CHAT, {"messages": MSG, "logit_bias": {"49152": 10}}, 400, "logit_bias"),
     (CHAT, {"messages": MSG, "logit_bias": {"42": 101}}, 400, "logit_bias"),
     (CHAT, {"messages": MSG, "logit_bias": {"x": 1}}, 400, "logit_bias"),
@@ -46,7 +84,7 @@ BAD_REQUESTS = [
     (CHAT, {"messages": MSG, "temperature": "hot"}, 400, "temperature"),
     (CHAT, {"messages": MSG, "stop": 5}, 400, "stop"),
     (CHAT, {"messages": MSG, "stop": [""]}, 400, "stop"),
-    (COMPLETIONS, {"prompt": "Hi", "echo": True}, 400, "echo"),
+    (COMPLETIONS, {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
     (COMPLETIONS, {"prompt": "Hi", "best_of": 3}, 400, "best_of"),
     (COMPLETIONS, {"prompt": "Hi", "suffix": "end"}, 400, "suffix"),
     (COMPLETIONS, {"prompt": "Hi", "logprobs": 99}, 400, "logprobs"),
