@@ -138,6 +138,11 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self._chat_template)
 
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders the ``tools`` it is given."""
+        return bool(self._chat_template) and "tools" in self._chat_template
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Raises ValueError for text that is not valid Unicode (a lone surrogate). Releases
         the GIL while it works (``encode`` holds it; ``encode_batch`` does not), so a long text
@@ -158,7 +163,10 @@ class Tokenizer:
         return self._tok.decode([token_id], skip_special_tokens=False)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         if not self._chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
@@ -171,7 +179,7 @@ class Tokenizer:
         try:
             return self._compiled.render(
                 messages=checked,
-                tools=None,
+                tools=tools,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self._special_vars,
@@ -182,14 +190,18 @@ class Tokenizer:
             raise ValueError(f"chat template failed on the messages: {e!r}") from e
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The rendered chat as ids, with exactly one BOS when the model wants one.
 
         Templates usually write the BOS themselves, so the text is encoded without special
         tokens; one is prepended only when the tokenizer adds BOS and the template did not.
         """
-        ids = self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        ids = self.encode(text, False)
         if self._adds_bos and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids

@@ -39,6 +39,7 @@ from server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DeltaToolCall,
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorInfo,
@@ -49,11 +50,14 @@ from server.protocol import (
     PromptLogprobs,
     TokenizeRequest,
     TokenizeResponse,
+    ToolDefinition,
     TopLogprob,
     Usage,
     describe_validation_error,
     random_id,
 )
+from server.tools import ToolPlan, template_messages
+from server.tools import plan as plan_tools
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -331,14 +335,21 @@ class OpenAIServer:
         return tok
 
     def chat_prompt(
-        self, messages: list[ChatMessage], add_generation_prompt: bool = True
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: list[ToolDefinition] | None = None,
+        tool_plan: ToolPlan | None = None,
     ) -> list[int]:
         tok = self.tokenizer("messages")
         if not tok.has_chat_template:
             message = "This model has no chat template; use /v1/completions."
             raise RequestError(message, param="messages")
+        takes_tools = tok.template_takes_tools
+        rendered = template_messages(messages, tool_plan, takes_tools)
+        specs = [t.model_dump(exclude_none=True) for t in tools] if tools and takes_tools else None
         try:
-            return tok.encode_chat([m.as_template_input() for m in messages], add_generation_prompt)
+            return tok.encode_chat(rendered, add_generation_prompt, specs)
         except ValueError as e:  # the template's own checks, e.g. roles out of order
             raise RequestError(str(e), param="messages") from e
 
@@ -549,15 +560,18 @@ class OpenAIServer:
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
         rid = random_id("chatcmpl")
+        tool_plan = plan_tools(req, self.tokenizer("messages").template_takes_tools)
+        constraint = tool_plan.constraint if tool_plan is not None else None
         params = [
-            req.sampling_params(req.max_new_tokens, req.num_logprobs, k, req.prompt_logprobs)
+            req.sampling_params(req.max_new_tokens, req.num_logprobs, k, req.prompt_logprobs,
+                                constraint)
             for k in range(req.n)
-        ]
+        ]  # fmt: skip
         self.admit(1, req.n)
-        prompt = await asyncio.to_thread(self.chat_prompt, req.messages)
+        prompt = await asyncio.to_thread(self.chat_prompt, req.messages, True, req.tools, tool_plan)
         gen = await self.generation(rid, [prompt], params, req.priority)
         if req.stream:
-            return sse_response(self.chat_events(rid, gen, req, len(prompt)))
+            return sse_response(self.chat_events(rid, gen, req, len(prompt), tool_plan))
         choices = await self.collect(gen, request)
         return json_response(
             ChatCompletionResponse(
@@ -566,9 +580,9 @@ class OpenAIServer:
                 choices=[
                     ChatChoice(
                         index=c.index,
-                        message=AssistantMessage(content=c.text),
+                        message=assistant_message(c, tool_plan),
                         logprobs=self.chat_logprobs(c.logprobs, req.num_logprobs),
-                        finish_reason=c.finish_reason,
+                        finish_reason=chat_finish_reason(c, tool_plan),
                         stop_reason=c.stop_reason,
                     )
                     for c in choices
@@ -581,8 +595,15 @@ class OpenAIServer:
         )
 
     async def chat_events(
-        self, rid: str, gen: Generation, req: ChatCompletionRequest, usage_prompt: int
+        self,
+        rid: str,
+        gen: Generation,
+        req: ChatCompletionRequest,
+        usage_prompt: int,
+        tool_plan: ToolPlan | None,
     ) -> AsyncIterator[str]:
+        """Content streams as it comes; with tools the answer is parsed, so it is sent whole
+        (content or tool calls) when the choice ends."""
         created = int(time.time())
 
         def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
@@ -610,13 +631,24 @@ class OpenAIServer:
                 yield "data: [DONE]\n\n"
                 return
             content = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
+            if tool_plan is not None:
+                content = DeltaMessage()
+                if delta.finish_reason is not None:
+                    message = assistant_message(choice, tool_plan)
+                    calls = [
+                        DeltaToolCall(index=i, id=c.id, function=c.function)
+                        for i, c in enumerate(message.tool_calls)
+                    ]
+                    content = DeltaMessage(content=message.content, tool_calls=calls or None)
             yield chunk(
                 [
                     ChatStreamChoice(
                         index=choice.index,
                         delta=content,
                         logprobs=logprobs,
-                        finish_reason=delta.finish_reason,
+                        finish_reason=chat_finish_reason(choice, tool_plan)
+                        if delta.finish_reason is not None
+                        else None,
                         stop_reason=delta.stop_reason,
                     )
                 ]
@@ -684,6 +716,24 @@ class OpenAIServer:
 
 
 # ---- wire helpers ----
+
+
+def assistant_message(choice: ChoiceState, tool_plan: ToolPlan | None) -> AssistantMessage:
+    """The choice's answer: its text, or with tools the content and calls parsed from it (an
+    answer cut short by max_tokens that does not parse stays text)."""
+    if tool_plan is None or choice.finish_reason != "stop":
+        return AssistantMessage(content=choice.text)
+    try:
+        content, calls = tool_plan.parse(choice.text)
+    except (ValueError, KeyError, TypeError):
+        return AssistantMessage(content=choice.text)
+    return AssistantMessage(content=content, tool_calls=calls)
+
+
+def chat_finish_reason(choice: ChoiceState, tool_plan: ToolPlan | None) -> str | None:
+    if tool_plan is not None and assistant_message(choice, tool_plan).tool_calls:
+        return "tool_calls"
+    return choice.finish_reason
 
 
 def clamp(logprob: float) -> float:

@@ -18,12 +18,8 @@ from engine.sampling_params import INT64, Constraint, SamplingParams
 # "off" (clients often send the default explicitly); anything else is refused by name, so a
 # caller never gets an answer that silently ignored what it asked for.
 UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "tools": ("tool calling", ([],)),
-    "tool_choice": ("tool calling", ("none",)),
-    "tool_calls": ("tool calling", ([],)),
     "functions": ("function calling", ([],)),
     "function_call": ("function calling", ("none",)),
-    "parallel_tool_calls": ("tool calling", (False, True)),
     "best_of": ("", (1,)),
     "suffix": ("", ("",)),
     "audio": ("audio output", ()),
@@ -290,7 +286,9 @@ class SamplingFields(RequestBody):
         logprobs: int | None,
         seed_offset: int = 0,
         prompt_logprobs: int | None = None,
+        constraint: Constraint | None = None,
     ) -> SamplingParams:
+        """``constraint``: one that replaces the request's own (tool calling's)."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens,
@@ -312,7 +310,7 @@ class SamplingFields(RequestBody):
             min_tokens=self.min_tokens,
             logit_bias=self._logit_bias(),
             overflow=self.overflow.to_engine() if self.overflow is not None else None,
-            structured=self.constraint(),
+            structured=constraint if constraint is not None else self.constraint(),
         )
 
 
@@ -397,18 +395,84 @@ class TextPart(OpenAIBody):
     text: str
 
 
-class ChatMessage(OpenAIBody):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+class FunctionDefinition(OpenAIBody):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None  # every call is constrained to the schema either way
 
-    def as_template_input(self) -> dict[str, str]:
+
+class ToolDefinition(OpenAIBody):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIBody):
+    name: str
+
+
+class NamedToolChoice(OpenAIBody):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(OpenAIBody):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIBody):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(OpenAIBody):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise _field_error("content", "A message needs content (an assistant message "
+                               "may have tool_calls instead).")  # fmt: skip
+        if self.tool_calls and self.role != "assistant":
+            raise _field_error("tool_calls", "Only assistant messages carry tool_calls.")
+        return self
+
+    @property
+    def text(self) -> str:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
+        return content or ""
+
+    def as_template_input(self) -> dict[str, Any]:
         # Templates written for older models know no "developer" role; it means "system".
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message: dict[str, Any] = {"role": role, "content": self.text}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _arguments(c)}}
+                for c in self.tool_calls
+            ]  # fmt: skip
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+def _arguments(call: ToolCall) -> Any:
+    """A call's arguments as templates expect them: parsed, unless they are not JSON."""
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -416,6 +480,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: StrictInt | None = None
     logprobs: bool = False
     top_logprobs: StrictInt | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
@@ -538,6 +605,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -559,9 +627,14 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None
 
 
+class DeltaToolCall(ToolCall):
+    index: int
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

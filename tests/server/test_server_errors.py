@@ -29,7 +29,30 @@ BAD_REQUESTS = [
     (CHAT, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
     (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
     (CHAT, {"messages": MSG, "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools.0.function"),
+    (CHAT, {"messages": MSG, "tool_choice": "required"}, 400, "tool_choice"),
+    (
+        CHAT,
+        {
+            "messages": MSG,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        400,
+        "tool_choice",
+    ),  # fmt: skip
+    (
+        CHAT,
+        {
+            "messages": MSG,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": "required",
+            "response_format": {"type": "json_object"},
+        },
+        400,
+        "tool_choice",
+    ),  # fmt: skip
+    (CHAT, {"messages": [{"role": "assistant"}]}, 400, "content"),
     (CHAT, {"messages": MSG, "functions": [{"name": "f"}]}, 400, "functions"),
     (CHAT, {"messages": MSG, "response_format": {"type": "json_schema"}}, 400, "response_format"),
     (
@@ -77,7 +100,20 @@ BAD_REQUESTS = [
     (CHAT, {"messages": MSG, "temprature": 0.5}, 400, "temprature"),
     (CHAT, {"messages": []}, 400, "messages"),
     (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
-    (CHAT, {"messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]}, 400, "tool_calls"),
+    (
+        CHAT,
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": "x",
+                    "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}],
+                }
+            ]
+        },
+        400,
+        "tool_calls",
+    ),  # fmt: skip
     (CHAT, {}, 400, "messages"),
     (CHAT, {"messages": "Hi"}, 400, "messages"),
     (CHAT, {"messages": MSG, "max_tokens": "many"}, 400, "max_tokens"),
@@ -121,7 +157,9 @@ class StubEngine:
     model_name = "stub"
     max_model_len = 64
     tokenizer = SimpleNamespace(
-        has_chat_template=True, encode_chat=lambda messages, gen=True: [1, 2, 3]
+        has_chat_template=True,
+        template_takes_tools=False,
+        encode_chat=lambda messages, gen=True, tools=None: [1, 2, 3],
     )
 
     def __init__(self, fail_with: Exception):
@@ -203,8 +241,8 @@ def test_unknown_model_message_names_it(url):
 
 @pytest.mark.slow
 def test_unsupported_and_unknown_fields_are_named_in_the_message(url):
-    r = httpx.post(url + CHAT, json={"messages": MSG, "tools": [{"type": "function"}]})
-    assert "`tools` is not supported" in assert_error(r, 400)["message"]
+    r = httpx.post(url + CHAT, json={"messages": MSG, "functions": [{"name": "f"}]})
+    assert "`functions` is not supported" in assert_error(r, 400)["message"]
     r = httpx.post(url + CHAT, json={"messages": MSG, "frobnicate": 1})
     assert "frobnicate" in assert_error(r, 400)["message"]
 

@@ -147,3 +147,102 @@ def test_a_constrained_and_a_free_request_share_a_batch(client):
         together = [b.result().choices[0].message.content for b in bounds]
     assert together == [alone_bound] * 2
     jsonschema.validate(json.loads(alone_bound), schema)
+
+
+# ---- tools: tool_choice enforced by the same constraints ----
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+ADD = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "integer", "minimum": -1000, "maximum": 1000},
+        "b": {"type": "integer", "minimum": -1000, "maximum": 1000},
+    },
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER,
+                                      "description": "Current weather in a city"}},
+    {"type": "function", "function": {"name": "add", "parameters": ADD,
+                                      "description": "Add two integers"}},
+]  # fmt: skip
+SCHEMA_OF = {"get_weather": WEATHER, "add": ADD}
+WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def tool_calls(client, stream: bool = False, **kwargs) -> tuple[str, list[tuple[str, dict]]]:
+    kwargs = dict(model=SERVED_NAME, messages=WEATHER_ASK, tools=TOOLS, max_tokens=120) | kwargs
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        calls = choice.message.tool_calls or []
+        return choice.finish_reason, [(c.function.name, json.loads(c.function.arguments))
+                                      for c in calls]  # fmt: skip
+    calls, finish = [], None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for c in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            assert c.id.startswith("call_") and c.type == "function"
+            calls.append((c.function.name, json.loads(c.function.arguments)))
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    return finish, calls
+
+
+@pytest.mark.parametrize("seed", [None, 1, 2])
+def test_a_named_tool_call_always_parses_and_matches_its_schema(client, seed):
+    named = {"type": "function", "function": {"name": "add"}}
+    temperature = 0 if seed is None else 1.0
+    for stream in (False, True):
+        finish, calls = tool_calls(client, stream, tool_choice=named, temperature=temperature,
+                                   seed=seed)  # fmt: skip
+        assert finish == "tool_calls" and len(calls) == 1 and calls[0][0] == "add"
+        jsonschema.validate(calls[0][1], ADD)
+
+
+def test_required_and_auto_calls_name_a_tool_and_match_its_schema(client):
+    for choice, parallel in (("required", True), ("required", False), ("auto", True)):
+        finish, calls = tool_calls(client, tool_choice=choice, parallel_tool_calls=parallel,
+                                   temperature=0.9, seed=4)  # fmt: skip
+        assert finish == "tool_calls" and calls and (parallel or len(calls) == 1)
+        for name, arguments in calls:
+            jsonschema.validate(arguments, SCHEMA_OF[name])
+
+
+def test_tool_none_answers_in_text_and_a_tool_result_is_rendered(client):
+    r = client.chat.completions.create(
+        model=SERVED_NAME, messages=WEATHER_ASK, tools=TOOLS, tool_choice="none",
+        max_tokens=8, temperature=0,
+    )  # fmt: skip
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+    history = WEATHER_ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"},
+    ]  # fmt: skip
+    r = client.chat.completions.create(
+        model=SERVED_NAME, messages=history, max_tokens=8, temperature=0
+    )
+    assert r.choices[0].message.content
+
+
+def test_hermes_tool_calls_are_parsed_from_the_models_own_format():
+    from server.tools import ToolPlan
+
+    plan = ToolPlan("hermes", None, None)
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
+        '"unit": "C"}}\n</tool_call>\n<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}'
+        "</tool_call>"
+    )
+    content, calls = plan.parse(text)
+    assert content == "Let me check."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "unit": "C"}),
+        ("add", {"a": 1, "b": 2}),
+    ]
+    assert plan.parse("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
