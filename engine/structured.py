@@ -32,6 +32,9 @@ class Grammars:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.matchers: dict[str, llguidance.LLMatcher] = {}
+        # Requests whose constraint is complete and ended by a stop token; with ignore_eos they
+        # go on generating, unconstrained.
+        self.ended: set[str] = set()
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="kvserve-grammar")
 
     @functools.cached_property
@@ -66,25 +69,30 @@ class Grammars:
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.matchers.pop(rid, None)
+            self.ended.discard(rid)
 
     def fill_async(self, requests: list[tuple[str, Constraint]]) -> Future:
         """Starts filling the next-token masks of ``requests`` (one row each); the future's
         result is an int32 bitmask [n, ceil(V / 32)], bit set = token allowed."""
-        matchers = [self.matcher(rid, c) for rid, c in requests]
-        return self.worker.submit(self._fill, matchers)
+        rows = [(self.matcher(rid, c), i) for i, (rid, c) in enumerate(requests)]
+        rows = [(m, i) for (m, i), (rid, _) in zip(rows, requests) if rid not in self.ended]
+        return self.worker.submit(self._fill, rows, len(requests))
 
-    def _fill(self, matchers: list[llguidance.LLMatcher]) -> np.ndarray:
-        bitmask = llguidance.numpy.allocate_token_bitmask(len(matchers), self.vocab_size)
-        llguidance.numpy.fill_next_token_bitmask_par(
-            self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask
-        )
+    def _fill(self, rows: list[tuple[llguidance.LLMatcher, int]], n: int) -> np.ndarray:
+        bitmask = llguidance.numpy.allocate_token_bitmask(n, self.vocab_size)  # all allowed
+        if rows:
+            llguidance.numpy.fill_next_token_bitmask_par(self.executor, rows, bitmask)
         return bitmask
 
     def accept(self, request_id: str, token_id: int) -> None:
         """Advances the request's matcher by its sampled token."""
+        if request_id in self.ended:
+            return
         m = self.matchers[request_id]
         if not m.consume_token(token_id):
             raise RuntimeError(f"the constraint cannot continue: {m.get_error()}")
+        if token_id in self.eos_token_ids:
+            self.ended.add(request_id)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: np.ndarray) -> None:

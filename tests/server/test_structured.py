@@ -246,3 +246,13 @@ def test_hermes_tool_calls_are_parsed_from_the_models_own_format():
         ("add", {"a": 1, "b": 2}),
     ]
     assert plan.parse("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+
+
+def test_ignore_eos_goes_on_unconstrained_after_the_constraint_ends(client):
+    r = client.completions.create(
+        model=SERVED_NAME, prompt="Pick one:", max_tokens=12, temperature=0,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}, "ignore_eos": True},
+    )  # fmt: skip
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and r.usage.completion_tokens == 12
+    assert choice.text.startswith(("yes", "no"))
