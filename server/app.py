@@ -632,6 +632,8 @@ class OpenAIServer:
                 return
             content = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
             if tool_plan is not None:
+                if delta.finish_reason is None and logprobs is None:
+                    continue  # the answer is sent whole when it ends
                 content = DeltaMessage()
                 if delta.finish_reason is not None:
                     message = assistant_message(choice, tool_plan)
