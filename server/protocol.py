@@ -7,7 +7,15 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from engine.context_overflow import CONTEXT_POLICIES, ContextOverflow
@@ -429,16 +437,23 @@ class ToolCall(OpenAIBody):
 
 class ChatMessage(OpenAIBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
     tool_call_id: str | None = None  # tool: the call this message answers
+    # Checked after the fields above (validators see the earlier fields only).
+    content: str | list[TextPart] | None = Field(None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, content: Any, info: ValidationInfo) -> Any:
+        calls = info.data.get("role") == "assistant" and info.data.get("tool_calls")
+        if content is None and not calls:
+            message = "a message needs content (an assistant message may have tool_calls instead)"
+            raise PydanticCustomError("missing_content", message)
+        return content
 
     @model_validator(mode="after")
     def _check(self) -> ChatMessage:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise _field_error("content", "A message needs content (an assistant message "
-                               "may have tool_calls instead).")  # fmt: skip
         if self.tool_calls and self.role != "assistant":
             raise _field_error("tool_calls", "Only assistant messages carry tool_calls.")
         return self

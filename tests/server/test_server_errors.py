@@ -52,7 +52,7 @@ BAD_REQUESTS = [
         400,
         "tool_choice",
     ),  # fmt: skip
-    (CHAT, {"messages": [{"role": "assistant"}]}, 400, "content"),
+    (CHAT, {"messages": [{"role": "assistant"}]}, 400, "messages.0.content"),
     (CHAT, {"messages": MSG, "functions": [{"name": "f"}]}, 400, "functions"),
     (CHAT, {"messages": MSG, "response_format": {"type": "json_schema"}}, 400, "response_format"),
     (
