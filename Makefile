@@ -13,6 +13,11 @@ $(STAMP): pyproject.toml
 	# The CPU wheel; an unpinned torch would pull the CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev,bench]'
+	# Prometheus and promtool (Debian) for tests/deploy; those tests say why they skip without.
+	command -v promtool >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends prometheus >/dev/null; }; }; } || \
+		echo "prometheus not installed: tests/deploy will be skipped"
 	# Build the C++ CPU kernels once (cached by torch); says why not where they cannot be.
 	$(PY) -c "from kernels import cpu; print('CPU kernels:', cpu.load() or 'built')"
 	touch $@

@@ -12,9 +12,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from engine.capacity import capacity
 from engine.config import CacheConfig
+from engine.context_overflow import CONTEXT_POLICIES
 from engine.request import Request
 from engine.scheduler import SchedulerEvents
 
+FINISH_REASONS = ("stop", "length", "abort", "error")
+PREEMPTION_MODES = ("recompute", "swap")
+# Why a request is refused before any work: its context (context_overflow's Reject codes), the
+# KV pool, the queue (preemption.Admission).
+REJECT_REASONS = ("context_length_exceeded", "invalid_overflow", "kv_capacity", "queue_full",
+                  "queued_tokens")  # fmt: skip
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -97,6 +104,17 @@ class EngineMetrics:
         self.cache_config = Info(
             "kvserve:cache_config", "KV-cache layout and capacity.", registry=r
         )
+        # Every known label value exported from the start, at 0: a dashboard's rate() and an
+        # alert see a series before its first event.
+        for metric, values in (
+            (self.request_success, FINISH_REASONS),
+            (self.preemptions, PREEMPTION_MODES),
+            (self.context_overflows, CONTEXT_POLICIES),
+            (self.swapped_blocks, ("in", "out")),
+            (self.rejected, REJECT_REASONS),
+        ):
+            for value in values:
+                metric.labels(value)
 
     def describe_cache(self, cache: CacheConfig, max_model_len: int, **settings) -> None:
         def each(values) -> str:
