@@ -148,3 +148,15 @@ def test_every_recording_rule_records_and_every_alert_reads_exported_series(load
         query(loaded, rule["expr"])  # parses and evaluates
         for series in set(re.findall(r"kvserve:[a-z_]+", rule["expr"])) | {"up"}:
             assert query(loaded, series), (rule["alert"], series)
+
+
+def test_the_board_renders_from_prometheus(loaded, tmp_path):
+    from bench import board
+
+    out = tmp_path / "board.png"
+    board.main(["--prometheus", loaded, "--minutes", "1", "--out", str(out)])
+    panels = json.loads(board.BOARD.read_text())["panels"]
+    fig = board.render(loaded, json.loads(board.BOARD.read_text()), time.time() - 60, time.time())
+    assert len(fig.axes) == len(panels)
+    assert sum(len(ax.lines) for ax in fig.axes) >= len(panels)  # every panel drew a series
+    assert out.stat().st_size > 10_000
