@@ -1,0 +1,119 @@
+"""The Kubernetes manifests and the compose stack, offline: built-in kinds validate strictly
+against the Kubernetes schemas (kubernetes-validate); custom resources (PodMonitor,
+InferencePool), which have no schema here, and every cross-reference (labels, port names, the
+grace period against the drain, the autoscaler's metric) are checked against what they point
+at."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+from prometheus_client import generate_latest
+
+from engine.metrics import EngineMetrics
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+CUSTOM_KINDS = {"PodMonitor", "InferencePool"}
+
+
+def documents() -> list[dict]:
+    docs = []
+    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def by_kind(kind: str) -> dict:
+    (doc,) = [d for d in documents() if d["kind"] == kind]
+    return doc
+
+
+@pytest.mark.parametrize("doc", documents(), ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
+def test_built_in_kinds_validate_strictly(doc):
+    version = kubernetes_validate.latest_version()
+    if doc["kind"] in CUSTOM_KINDS:
+        with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+            kubernetes_validate.validate(doc, version, strict=True)
+    else:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def pod_labels() -> dict:
+    return by_kind("Deployment")["spec"]["template"]["metadata"]["labels"]
+
+
+def container() -> dict:
+    (c,) = by_kind("Deployment")["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def test_the_deployment_drains_within_its_grace_period_and_probes_health():
+    spec = by_kind("Deployment")["spec"]["template"]["spec"]
+    drain = int(re.search(r"--shutdown-timeout (\d+)", (DEPLOY / "Dockerfile").read_text())[1])
+    pre_stop = container()["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pre_stop + drain < spec["terminationGracePeriodSeconds"]
+    ports = {p["name"] for p in container()["ports"]}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container()[probe]["httpGet"] == {"path": "/health", "port": "http"}
+        assert container()[probe]["httpGet"]["port"] in ports
+    key = container()["env"][0]
+    assert key["name"] == "KVSERVE_API_KEY" and "secretKeyRef" in key["valueFrom"]
+    assert container()["resources"]["requests"]["nvidia.com/gpu"] == "1"
+
+
+def test_service_monitor_and_pool_point_at_the_pods():
+    labels, ports = pod_labels(), {p["name"]: p["containerPort"] for p in container()["ports"]}
+    service = by_kind("Service")["spec"]
+    assert service["selector"].items() <= labels.items()
+    assert all(p["targetPort"] in ports for p in service["ports"])
+    monitor = by_kind("PodMonitor")["spec"]
+    assert monitor["selector"]["matchLabels"].items() <= labels.items()
+    assert [e["port"] for e in monitor["podMetricsEndpoints"]] == ["http"]
+    assert monitor["podMetricsEndpoints"][0]["path"] == "/metrics"
+    pool = by_kind("InferencePool")["spec"]
+    assert pool["selector"].items() <= labels.items()
+    assert pool["targetPortNumber"] in ports.values()
+    assert (
+        by_kind("PodDisruptionBudget")["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    )
+
+
+def exported() -> set[str]:
+    text = generate_latest(EngineMetrics().registry).decode()
+    return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
+
+
+def test_the_autoscaler_reads_a_metric_the_adapter_makes_from_one_we_export():
+    hpa = by_kind("HorizontalPodAutoscaler")["spec"]
+    assert hpa["scaleTargetRef"]["name"] == by_kind("Deployment")["metadata"]["name"]
+    (metric,) = hpa["metrics"]
+    adapter = yaml.safe_load(by_kind("ConfigMap")["data"]["config.yaml"])
+    (rule,) = adapter["rules"]
+    assert metric["pods"]["metric"]["name"] == rule["name"]["as"]
+    source = re.match(r"'?([a-z_:]+)\{", rule["seriesQuery"])[1]
+    assert source in exported()
+    inference_pool = (DEPLOY / "k8s" / "inference-pool.yaml").read_text()
+    flags = re.findall(r"--[a-z-]+-metric=(kvserve:[a-z_:]+)", inference_pool)
+    assert len(flags) == 3 and set(flags) <= exported()
+
+
+def test_the_compose_stack_wires_its_parts_together():
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]
+    assert set(compose) == {"kvserve", "prometheus", "grafana"}
+    for service in compose.values():
+        for volume in service.get("volumes", []):
+            assert (DEPLOY / volume.split(":")[0]).exists(), volume
+    scrape = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    target = scrape["scrape_configs"][0]["static_configs"][0]["targets"][0]
+    assert target == "kvserve:8000" and "8000:8000" in compose["kvserve"]["ports"]
+    datasource = DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
+    assert "http://prometheus:9090" in datasource.read_text()
+    provider = yaml.safe_load(
+        (DEPLOY / "grafana" / "provisioning" / "dashboards" / "kvserve.yml").read_text()
+    )
+    mounted = {v.split(":")[1] for v in compose["grafana"]["volumes"]}
+    assert provider["providers"][0]["options"]["path"] in mounted
