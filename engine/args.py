@@ -84,6 +84,11 @@ class EngineArgs:
         False, "run every step eagerly: no CUDA graphs for decode steps (CUDA only)"
     )
     seed: int = setting(0, "seed for requests that give none")
+    tensor_parallel_size: int = setting(
+        1,
+        "ranks (processes) sharing each layer's attention heads and MLP, all-reducing over "
+        "torch.distributed (gloo on CPU, NCCL on GPU); the heads must divide by it",
+    )
     context_overflow: str = setting(
         DEFAULT_POLICY,
         "when prompt + generation reach --max-model-len: error (400), truncate the prompt, "
@@ -132,6 +137,7 @@ class EngineArgs:
             (self.kv_cache_memory_gib is None or self.kv_cache_memory_gib > 0, "kv_cache_memory"),
             (self.max_model_len is None or self.max_model_len > 0, "max_model_len"),
             (self.max_num_seqs > 0, "max_num_seqs"),
+            (self.tensor_parallel_size > 0, "tensor_parallel_size"),
             (self.max_num_batched_tokens > 0, "max_num_batched_tokens"),
             (self.dtype is None or self.dtype in DTYPES, "dtype"),
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device"),

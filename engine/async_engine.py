@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from engine.args import EngineArgs
+from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -151,6 +152,7 @@ class AsyncEngine:
         self._stopping.set()
         self._commands.put(("wake",))
         self._thread.join(timeout=timeout)
+        self.engine.shutdown()
 
     # -- engine thread ------------------------------------------------------------------------
 
@@ -204,6 +206,11 @@ class AsyncEngine:
                 break
             try:
                 outputs = self.engine.step()
+            except EngineDeadError as e:  # nothing can run any more: every request ends
+                log.error("%s", e)
+                for request_id in list(self._streams):
+                    self._deliver(request_id, e)
+                break
             except Exception:  # keep serving; the step's requests were failed by the engine
                 log.exception("engine loop error")
                 continue

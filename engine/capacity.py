@@ -10,6 +10,7 @@ from engine.config import GIB, CacheConfig, split_memory
 from models.config import ModelConfig
 from models.fetch import resolve_model
 from models.loader import model_class
+from models.tensor_parallel import TPRank, shard_config
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class Plan:
     memory_bytes: int
     max_model_len: int
     cache: CacheConfig
+    tensor_parallel_size: int = 1  # memory and cache are one rank's
 
     @property
     def rows(self) -> list[GroupCapacity]:
@@ -84,13 +86,16 @@ def make_plan(
     max_model_len: int | None = None,
     block_size: int = 16,
     dtype: str = "bfloat16",
+    tensor_parallel_size: int = 1,
 ) -> Plan:
+    """With tensor parallelism, one rank's plan: its share of the KV heads in its memory."""
     cfg = ModelConfig.from_dir(resolve_model(model))
-    groups = model_class(cfg).kv_cache_groups(cfg, dtype)
+    rank_cfg = shard_config(cfg, TPRank(0, tensor_parallel_size))
+    groups = model_class(cfg).kv_cache_groups(rank_cfg, dtype)
     max_len = max_model_len or cfg.max_position_embeddings
     memory = int(kv_cache_memory_gib * GIB)
     cache = CacheConfig(groups, block_size, split_memory(groups, memory, block_size, max_len))
-    return Plan(cfg, dtype, memory, max_len, cache)
+    return Plan(cfg, dtype, memory, max_len, cache, tensor_parallel_size)
 
 
 def format_plan(plan: Plan) -> str:
@@ -99,6 +104,9 @@ def format_plan(plan: Plan) -> str:
         f"{plan.memory_bytes / GIB:g} GiB, block size {plan.cache.block_size}, "
         f"max_model_len {plan.max_model_len}"
     )
+    if plan.tensor_parallel_size > 1:
+        n = plan.tensor_parallel_size
+        header += f"; per rank of {n} (each holds 1/{n} of the KV heads)"
     layout = " + ".join(
         f"{len(g.layer_ids)} x {g.spec.bytes_per_token:,} {type(g.spec).__name__}"
         for g in plan.cache.groups

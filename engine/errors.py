@@ -25,3 +25,7 @@ class QueueFullError(RequestError):
     def __init__(self, message: str, retry_after: float = 1.0):
         super().__init__(message, code="queue_full")
         self.retry_after = retry_after
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot go on (a tensor-parallel rank died): every request ends with it."""

@@ -29,10 +29,13 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.structured import Grammars
+from engine.tp_workers import Workers
 from kernels.backend import get_backend
 from models.config import ModelConfig
 from models.fetch import resolve_model
 from models.kv_spec import KVCacheGroup
+from models.tensor_parallel import TPRank
+from models.tensor_parallel import check as check_tensor_parallel
 from models.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.engine")
@@ -44,28 +47,47 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def build_runner(
+    args: EngineArgs,
+    tp: TPRank,
+    eos_token_ids: tuple[int, ...] = (),
+    grammars: Grammars | None = None,
+) -> ModelRunner:
+    """The model runner of one rank (the only one without tensor parallelism)."""
+    model_config = ModelConfig.from_dir(resolve_model(args.model))
+    device = resolve_device(args.device)
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    backend = get_backend(args.attention_backend, device, args.cpu_kernels)
+    return ModelRunner(
+        model_config, dtype, device, backend, args.seed, eos_token_ids, args.cpu_kernels,
+        grammars, tp,
+    )  # fmt: skip
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         self.args = args
         path = resolve_model(args.model)
         self.model_config = ModelConfig.from_dir(path)
+        tp_size = args.tensor_parallel_size
+        check_tensor_parallel(self.model_config, tp_size)
         # Random-weight test checkpoints may come without a tokenizer: token-id prompts only.
         has_tokenizer = (path / "tokenizer.json").exists()
         self.tokenizer = Tokenizer.from_dir(path) if has_tokenizer else None
         self.device = resolve_device(args.device)
-        dtype = args.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
         eos = tuple(dict.fromkeys(tokenizer_eos + self.model_config.eos_token_ids))
-        backend = get_backend(args.attention_backend, self.device, args.cpu_kernels)
         vocab = self.model_config.vocab_size
         self.grammars = Grammars(path / "tokenizer.json", vocab, eos) if has_tokenizer else None
-        self.runner = ModelRunner(
-            self.model_config, dtype, self.device, backend, args.seed, eos, args.cpu_kernels,
-            self.grammars,
-        )  # fmt: skip
+        # Ranks 1..N-1 load their shares while this one loads its own.
+        self.workers = Workers(args, self.device) if tp_size > 1 else None
+        self.runner = build_runner(args, TPRank(0, tp_size), eos, self.grammars)
+        dtype = str(self.runner.dtype).removeprefix("torch.")
         self.cache_config = self._cache_config(self.runner.groups)
         self.runner.allocate_kv_cache(self.cache_config)
+        if self.workers is not None:
+            self.workers.start(self.cache_config)
         eager = "--enforce-eager" if args.enforce_eager else self.runner.graphs_unavailable()
         if eager is None:
             start = time.perf_counter()
@@ -107,7 +129,7 @@ class LLMEngine:
             self.model_config.architecture,
             dtype,
             self.device,
-            backend.name,
+            self.runner.backend.name,
             self.max_model_len,
             torch.get_num_threads(),
             self.runner.cpu_kernels,
@@ -286,6 +308,8 @@ class LLMEngine:
             self.runner.sampler.forget(out.finished_ids)
             self._record_step()
             return []
+        if self.workers is not None:
+            self.workers.step(out)  # raises EngineDeadError when a rank has gone
         try:
             sampled, prompt_logprobs = self.runner.execute(out)
         except Exception as e:
@@ -388,6 +412,11 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block; returns how many were cached."""
         return self.kv.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel ranks, if any."""
+        if self.workers is not None:
+            self.workers.stop()
 
 
 def _describe(stage: str, error: BaseException) -> str:

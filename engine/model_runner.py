@@ -19,6 +19,7 @@ from models.interface import CausalLM
 from models.kv_spec import KVCacheGroup, MLASpec
 from models.layers import use_cpu_kernels
 from models.loader import load_model
+from models.tensor_parallel import NO_TP, TPRank, shard_config
 
 PROMPT_LOGITS_ROWS = 256
 
@@ -38,12 +39,19 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...],
         cpu_kernels: bool = True,
         grammars: Grammars | None = None,
+        tp: TPRank = NO_TP,
     ):
+        """``tp``: this rank's share of a tensor-parallel model (its heads, its KV cache)."""
         self.device = device
         self.dtype = TORCH_DTYPES[dtype]
         self.backend = backend
-        self.model: CausalLM = load_model(model_config, self.dtype, device)
-        # Whether the model runs on kernels.cpu, or why not: for the start-up log.
+        self.tp = tp
+        model_config = shard_config(model_config, tp)
+        self.model: CausalLM = load_model(model_config, self.dtype, device, tp)
+        # Whether the model runs on kernels.cpu, or why not: for the start-up log. The fused
+        # C++ layer would skip the all-reduces of a tensor-parallel model.
+        if tp.size > 1:
+            cpu_kernels = False
         self.cpu_kernels = self._use_cpu_kernels() if cpu_kernels else "off"
         self.groups: list[KVCacheGroup] = self.model.kv_cache_groups(model_config, dtype)
         layer_to_group = [0] * model_config.num_layers
@@ -74,6 +82,8 @@ class ModelRunner:
         """Why decode steps cannot run from CUDA graphs here, or None when they can."""
         if self.device.type != "cuda":
             return "not on CUDA"
+        if self.tp.size > 1:
+            return "tensor parallel"
         if not self.backend.capturable:
             return f"the {self.backend.name} attention backend is not capturable"
         if not self.model.cuda_graphs:
@@ -192,15 +202,19 @@ class ModelRunner:
         return hidden, [cu_list[i + 1] - 1 for i, s in enumerate(sched) if s.sample]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[Sampled, PromptLogprobs]:
+    def execute(self, out: SchedulerOutput, sample: bool = True) -> tuple[Sampled, PromptLogprobs]:
         """The step: each sampling request's (token, logprob record or None) or the exception
         its sampling raised; and for requests asking for prompt logprobs, (position of the
-        first prompt token this step predicts, a record per predicted prompt token)."""
+        first prompt token this step predicts, a record per predicted prompt token).
+        ``sample`` False (a tensor-parallel rank other than 0): the cache and forward only."""
         self.sampler.forget(out.finished_ids)
         if out.has_cache_ops:
             self.apply_cache_ops(out)
         sched = out.scheduled
         if not sched:
+            return {}, {}
+        if not sample:
+            self._forward(out)
             return {}, {}
         chosen = [s for s in sched if s.sample]
         # Constrained requests' token masks are filled while the forward pass runs.

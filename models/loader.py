@@ -11,6 +11,7 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.interface import CausalLM
+from models.tensor_parallel import NO_TP, TPRank, all_reduce_row_outputs, shard_weights
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "models.llama:LlamaForCausalLM",
@@ -39,8 +40,11 @@ def iter_safetensors(path: Path):
                 yield name, f.get_tensor(name)
 
 
-def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """Build the model for ``cfg`` and fill it from the folder's safetensors files."""
+def load_model(
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPRank = NO_TP
+) -> CausalLM:
+    """Build the model for ``cfg`` (a rank's share: ``shard_config``) and fill it from the
+    folder's safetensors files."""
     cls = model_class(cfg)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -49,7 +53,9 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Ca
             model = cls(cfg)
     finally:
         torch.set_default_dtype(previous)
-    model.load_weights(iter_safetensors(cfg.path))
+    model.load_weights(shard_weights(iter_safetensors(cfg.path), tp))
+    if tp.size > 1:
+        all_reduce_row_outputs(model)
     return model.eval()
 
 

@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvserve")
 
-PLAN_SETTINGS = ("model", "kv_cache_memory_gib", "max_model_len", "block_size", "dtype")
+PLAN_SETTINGS = (
+    "model", "kv_cache_memory_gib", "max_model_len", "block_size", "dtype", "tensor_parallel_size"
+)  # fmt: skip
 
 
 def client_commands() -> dict[str, EntryPoint]:
@@ -129,8 +131,9 @@ def plan(args: EngineArgs) -> int:
     from engine.capacity import format_plan, make_plan
 
     result = make_plan(
-        args.model, args.kv_cache_memory_gib, args.max_model_len, args.block_size, args.dtype
-    )
+        args.model, args.kv_cache_memory_gib, args.max_model_len, args.block_size, args.dtype,
+        args.tensor_parallel_size,
+    )  # fmt: skip
     print(format_plan(result))
     return 0
 

@@ -72,6 +72,20 @@ def test_llama_plan_is_k_and_v_per_kv_head_per_layer(llama_dir, dtype, capsys):
     assert f"bytes/token: {per_token:,} (3 x {per_token // 3:,} FullAttentionSpec)" in out
 
 
+def test_a_tensor_parallel_plan_is_one_ranks_share_of_the_kv_heads(llama_dir, capsys):
+    per_token = 2 * 1 * 16 * 2 * 3  # 2 KV heads over 2 ranks: one each, bfloat16, 3 layers
+    argv = ["--model", str(llama_dir), "--kv-cache-memory", "0.25", "--tensor-parallel-size", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "per rank of 2" in out
+    (row,) = make_plan(str(llama_dir), 0.25, tensor_parallel_size=2).rows
+    assert row.bytes_per_token == per_token
+    assert row.num_blocks == expected_row(per_token, 0.25, 16, 1024)[0]
+    with pytest.raises(SystemExit):
+        main(["--model", str(llama_dir), "--kv-cache-memory", "1", "--tensor-parallel-size", "3"])
+    assert "4 attention heads and 2 KV heads do not divide over 3" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_deepseek_plan_is_one_latent_row_per_layer(deepseek_dir, dtype, capsys):
     assert not list(deepseek_dir.glob("*.safetensors"))  # the plan needs no weights
