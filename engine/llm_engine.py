@@ -22,7 +22,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import QueueFullError, RequestError
 from engine.kv_manager import KVCacheManager
 from engine.metrics import EngineMetrics
-from engine.model_runner import ModelRunner
+from engine.model_runner import build_runner, resolve_device
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.preemption import Admission
 from engine.request import Request
@@ -30,7 +30,6 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.structured import Grammars
 from engine.tp_workers import Workers
-from kernels.backend import get_backend
 from models.config import ModelConfig
 from models.fetch import resolve_model
 from models.kv_spec import KVCacheGroup
@@ -39,29 +38,6 @@ from models.tensor_parallel import check as check_tensor_parallel
 from models.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.engine")
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def build_runner(
-    args: EngineArgs,
-    tp: TPRank,
-    eos_token_ids: tuple[int, ...] = (),
-    grammars: Grammars | None = None,
-) -> ModelRunner:
-    """The model runner of one rank (the only one without tensor parallelism)."""
-    model_config = ModelConfig.from_dir(resolve_model(args.model))
-    device = resolve_device(args.device)
-    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    backend = get_backend(args.attention_backend, device, args.cpu_kernels)
-    return ModelRunner(
-        model_config, dtype, device, backend, args.seed, eos_token_ids, args.cpu_kernels,
-        grammars, tp,
-    )  # fmt: skip
 
 
 class LLMEngine:

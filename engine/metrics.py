@@ -104,8 +104,11 @@ class EngineMetrics:
         self.cache_config = Info(
             "kvserve:cache_config", "KV-cache layout and capacity.", registry=r
         )
-        # Every known label value exported from the start, at 0: a dashboard's rate() and an
-        # alert see a series before its first event.
+        self._export_known_labels()
+
+    def _export_known_labels(self) -> None:
+        """Every known label value exported from the start, at 0: a dashboard's rate() and an
+        alert see a series before its first event."""
         for metric, values in (
             (self.request_success, FINISH_REASONS),
             (self.preemptions, PREEMPTION_MODES),

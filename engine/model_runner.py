@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.args import EngineArgs
 from engine.config import CacheConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.outputs import TokenLogprob
@@ -11,10 +12,11 @@ from engine.sampler import Sampler, logprobs_of
 from engine.scheduler import CacheShift, SchedulerOutput
 from engine.structured import Grammars
 from kernels import cpu
-from kernels.backend import AttentionBackend
+from kernels.backend import AttentionBackend, get_backend
 from kernels.paged import AttentionMetadata, ForwardContext
 from kernels.rotary import RopeLayout
 from models.config import ModelConfig
+from models.fetch import resolve_model
 from models.interface import CausalLM
 from models.kv_spec import KVCacheGroup, MLASpec
 from models.layers import use_cpu_kernels
@@ -297,3 +299,26 @@ def copy_blocks(
         shared = src[1].data_ptr() == src[0].data_ptr()  # MLA: V is the latent part of K
         for s, d in [(src[0], dst[0])] if shared else zip(src, dst):
             backend.copy_blocks(s, d, src_idx, dst_idx)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def build_runner(
+    args: EngineArgs,
+    tp: TPRank,
+    eos_token_ids: tuple[int, ...] = (),
+    grammars: Grammars | None = None,
+) -> ModelRunner:
+    """The model runner of one rank (the only one without tensor parallelism)."""
+    model_config = ModelConfig.from_dir(resolve_model(args.model))
+    device = resolve_device(args.device)
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    backend = get_backend(args.attention_backend, device, args.cpu_kernels)
+    return ModelRunner(
+        model_config, dtype, device, backend, args.seed, eos_token_ids, args.cpu_kernels,
+        grammars, tp,
+    )  # fmt: skip

@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from engine.args import EngineArgs
 from engine.config import CacheConfig
 from engine.errors import EngineDeadError
+from engine.model_runner import build_runner, resolve_device
 from engine.scheduler import SchedulerOutput
 from models.tensor_parallel import TPRank
 
@@ -100,8 +101,6 @@ def _stop(procs: list) -> None:
 
 
 def _worker(args: EngineArgs, tp: TPRank, port: int) -> None:
-    from engine.llm_engine import build_runner, resolve_device
-
     device = resolve_device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(threads_per_rank(tp.size))
