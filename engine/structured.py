@@ -74,8 +74,11 @@ class Grammars:
     def fill_async(self, requests: list[tuple[str, Constraint]]) -> Future:
         """Starts filling the next-token masks of ``requests`` (one row each); the future's
         result is an int32 bitmask [n, ceil(V / 32)], bit set = token allowed."""
-        rows = [(self.matcher(rid, c), i) for i, (rid, c) in enumerate(requests)]
-        rows = [(m, i) for (m, i), (rid, _) in zip(rows, requests) if rid not in self.ended]
+        rows = [
+            (self.matcher(rid, c), i)
+            for i, (rid, c) in enumerate(requests)
+            if rid not in self.ended
+        ]
         return self.worker.submit(self._fill, rows, len(requests))
 
     def _fill(self, rows: list[tuple[llguidance.LLMatcher, int]], n: int) -> np.ndarray:

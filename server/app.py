@@ -435,11 +435,12 @@ class OpenAIServer:
         body = []
         for c in choices:
             text, entries = ("", []) if req.scores_only else (c.text, c.logprobs)
-            logprobs = self.completion_logprobs(entries, req.logprobs, len(echo.text(c.index)))
+            prefix = echo.text(c.index)
+            logprobs = self.completion_logprobs(entries, req.logprobs, len(prefix))
             body.append(
                 CompletionChoice(
                     index=c.index,
-                    text=echo.text(c.index) + text,
+                    text=prefix + text,
                     logprobs=echo.logprobs(c, logprobs),
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
@@ -580,12 +581,13 @@ class OpenAIServer:
                 choices=[
                     ChatChoice(
                         index=c.index,
-                        message=assistant_message(c, tool_plan),
+                        message=message,
                         logprobs=self.chat_logprobs(c.logprobs, req.num_logprobs),
-                        finish_reason=chat_finish_reason(c, tool_plan),
+                        finish_reason=finish_reason,
                         stop_reason=c.stop_reason,
                     )
                     for c in choices
+                    for message, finish_reason in [assistant_answer(c, tool_plan)]
                 ],
                 usage=gen.usage(len(prompt), req.n),
                 prompt_logprobs=self.prompt_logprobs(
@@ -631,12 +633,13 @@ class OpenAIServer:
                 yield "data: [DONE]\n\n"
                 return
             content = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
+            finish_reason = delta.finish_reason
             if tool_plan is not None:
-                if delta.finish_reason is None and logprobs is None:
+                if finish_reason is None and logprobs is None:
                     continue  # the answer is sent whole when it ends
                 content = DeltaMessage()
-                if delta.finish_reason is not None:
-                    message = assistant_message(choice, tool_plan)
+                if finish_reason is not None:
+                    message, finish_reason = assistant_answer(choice, tool_plan)
                     calls = [
                         DeltaToolCall(index=i, id=c.id, function=c.function)
                         for i, c in enumerate(message.tool_calls)
@@ -648,9 +651,7 @@ class OpenAIServer:
                         index=choice.index,
                         delta=content,
                         logprobs=logprobs,
-                        finish_reason=chat_finish_reason(choice, tool_plan)
-                        if delta.finish_reason is not None
-                        else None,
+                        finish_reason=finish_reason,
                         stop_reason=delta.stop_reason,
                     )
                 ]
@@ -720,22 +721,21 @@ class OpenAIServer:
 # ---- wire helpers ----
 
 
-def assistant_message(choice: ChoiceState, tool_plan: ToolPlan | None) -> AssistantMessage:
-    """The choice's answer: its text, or with tools the content and calls parsed from it (an
-    answer cut short by max_tokens that does not parse stays text)."""
+def assistant_answer(
+    choice: ChoiceState, tool_plan: ToolPlan | None
+) -> tuple[AssistantMessage, str | None]:
+    """The choice's answer and finish reason: its text, or with tools the content and calls
+    parsed from it ("tool_calls" when there are calls; an answer cut short by max_tokens that
+    does not parse stays text)."""
+    text = AssistantMessage(content=choice.text), choice.finish_reason
     if tool_plan is None or choice.finish_reason != "stop":
-        return AssistantMessage(content=choice.text)
+        return text
     try:
         content, calls = tool_plan.parse(choice.text)
     except (ValueError, KeyError, TypeError):
-        return AssistantMessage(content=choice.text)
-    return AssistantMessage(content=content, tool_calls=calls)
-
-
-def chat_finish_reason(choice: ChoiceState, tool_plan: ToolPlan | None) -> str | None:
-    if tool_plan is not None and assistant_message(choice, tool_plan).tool_calls:
-        return "tool_calls"
-    return choice.finish_reason
+        return text
+    reason = "tool_calls" if calls else choice.finish_reason
+    return AssistantMessage(content=content, tool_calls=calls), reason
 
 
 def clamp(logprob: float) -> float:

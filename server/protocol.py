@@ -275,8 +275,8 @@ class SamplingFields(RequestBody):
     def constraint(self) -> Constraint | None:
         """The request's structured-output constraint, from whichever field gave one."""
         found = []
-        if self.response_format is not None and self.response_format.constraint():
-            found.append(self.response_format.constraint())
+        if self.response_format is not None and (given := self.response_format.constraint()):
+            found.append(given)
         if self.structured_outputs is not None:
             found.append(self.structured_outputs.constraint())
         if self.grammar is not None:

@@ -44,20 +44,6 @@ def real_server(model_dir) -> Iterator[tuple[object, str]]:
         engine.shutdown()
 
 
-@pytest.fixture(scope="module")
-def served(smollm2_dir):
-    with real_server(smollm2_dir) as pair:
-        yield pair
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    import openai
-
-    _, url = served
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
-
-
 def tokenize(url: str, **body) -> list[int]:
     r = httpx.post(f"{url}/tokenize", json=body)
     assert r.status_code == 200, r.text

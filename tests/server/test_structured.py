@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import pytest
 
-from tests.server.test_server import SERVED_NAME, real_server
+from tests.server.test_server import SERVED_NAME
 
 SCHEMAS = {
     "nested": {
@@ -64,20 +64,6 @@ SCHEMAS = {
     },
 }
 ASK = [{"role": "user", "content": "Describe a famous film as JSON."}]
-
-
-@pytest.fixture(scope="module")
-def served(smollm2_dir):
-    with real_server(smollm2_dir) as pair:
-        yield pair
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    import openai
-
-    _, url = served
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
 
 
 def response_format(schema: dict) -> dict:
