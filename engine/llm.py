@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
@@ -17,8 +19,10 @@ class LLM:
         self,
         prompts: str | list[str] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
+        on_output: Callable[[RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
-        """Run all prompts through the scheduler together; outputs in prompt order."""
+        """Run all prompts through the scheduler together; outputs in prompt order.
+        ``on_output`` sees every step's delta of every request (for progress)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
@@ -33,6 +37,8 @@ class LLM:
         while self.engine.has_unfinished:
             for delta in self.engine.step():
                 _merge(results[delta.request_id], delta)
+                if on_output is not None:
+                    on_output(delta)
         return list(results.values())
 
     def reset_prefix_cache(self) -> int:

@@ -161,6 +161,8 @@ class LLMEngine:
         if any(t >= vocab for t in params.stop_token_ids):
             message = f"stop_token_ids must be in [0, {vocab}), got {list(params.stop_token_ids)}."
             raise RequestError(message, param="stop_token_ids")
+        if any(t >= vocab for t in params.forced):
+            raise RequestError(f"Forced token ids must be in [0, {vocab}).", param="forced")
         if any(t >= vocab for t, _ in params.logit_bias):
             raise RequestError(f"logit_bias token ids must be in [0, {vocab}).", param="logit_bias")
         if params.structured is not None:

@@ -75,7 +75,11 @@ class Sampler:
 
     def _sample(self, logits, request_ids, params, prompt_ids, output_ids) -> list:
         if all(
-            p.greedy and p.logprobs is None and not _has_penalty(p) and not p.logit_bias
+            p.greedy
+            and p.logprobs is None
+            and not _has_penalty(p)
+            and not p.logit_bias
+            and not p.forced
             for p in params
         ):
             if all(p.min_tokens == 0 for p in params):
@@ -84,7 +88,10 @@ class Sampler:
         for i, p in enumerate(params):
             try:
                 row = self._process(logits[i], p, prompt_ids[i], output_ids[i])
-                token = self._choose(row, p, self._generator(request_ids[i], p))
+                if p.forced:
+                    token = p.forced[len(output_ids[i])]
+                else:
+                    token = self._choose(row, p, self._generator(request_ids[i], p))
                 results.append((token, _logprob(row, token, p.logprobs)))
             except Exception as e:
                 results.append(e)

@@ -62,6 +62,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's
     overflow: ContextOverflow | None = None  # None: the engine's default context policy
     structured: Constraint | None = None  # None: unconstrained
+    # Teacher forcing: the output is these tokens, in order, whatever the model prefers; with
+    # ``logprobs`` each is scored by the model (the perplexity of a text under a context policy).
+    forced: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -69,6 +72,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "forced", tuple(self.forced))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         floats = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -102,6 +106,13 @@ class SamplingParams:
                 "must be in [0, 20]",
             ),
             (self.min_tokens >= 0, "min_tokens", "must be non-negative"),
+            (all(t >= 0 for t in self.forced), "forced", "must be token ids"),
+            (
+                not self.forced or self.max_tokens == len(self.forced),
+                "max_tokens",
+                "must be the number of forced tokens",
+            ),
+            (not (self.forced and self.structured), "forced", "excludes a structured output"),
             (all(s for s in self.stop), "stop", "must not contain empty strings"),
             (
                 all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),

@@ -360,7 +360,7 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> None:
         params = req.params
-        if req.num_output_tokens >= params.min_tokens:
+        if req.num_output_tokens >= params.min_tokens and not params.forced:
             if not params.ignore_eos and token in self.eos_token_ids:
                 return self.finish(req, "stop")
             if token in params.stop_token_ids:
