@@ -169,3 +169,25 @@ def test_the_command_writes_its_table_and_plot(smollm2_dir, tmp_path):
     full = data["results"][0]
     assert 1 < full["perplexity"] < 1000
     assert (out / "quality.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_sweep_puts_each_points_perplexity_beside_its_throughput(smollm2_dir, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"Verse {i}: a rolling stone gathers no moss." for i in range(40)))
+    out = tmp_path / "out"
+    code = tune.main([
+        "--model", str(smollm2_dir), "--objective", "quality", "--text", str(text),
+        "--max-model-len", "64", "--text-tokens", "100", "--chunk", "16", "--block-size", "8",
+        "--num-kv-blocks", "64", "--sweep", "context_overflow=sink,error",
+        "--num-prompts", "2", "--input-len", "16", "--output-len", "4",
+        "--scrape-interval", "0", "--warmup", "0", "--out", str(out),
+    ])  # fmt: skip
+    assert code == 0
+    lines = (out / "quality.md").read_text().splitlines()
+    full = next(line for line in lines if "| full context |" in line)
+    sink = next(line for line in lines if "context_overflow=sink" in line)
+    error = next(line for line in lines if "context_overflow=error" in line)
+    ppl = [float(c) for c in full.split("|")[5:7]] + [float(c) for c in sink.split("|")[5:7]]
+    assert all(1 < v < 1000 for v in ppl)
+    assert float(sink.split("|")[3]) > 0  # output tok/s measured for the same point
+    assert error.split("|")[5].strip() == "-"  # error never goes past the context
