@@ -201,8 +201,31 @@ class Variant:
         return f"{self.kernel.__name__}:" + repr(parts)
 
 
+@dataclass(frozen=True)
+class Resources:
+    shared: int  # bytes per block: Triton's dynamic shared memory plus the cubin's static
+    registers: int  # per thread
+    stack: int  # stack frame bytes per thread: where ptxas puts the registers it spills
+
+
+def _resource_usage(cubin: bytes) -> dict[str, int]:
+    """The counters ``cuobjdump --dump-resource-usage`` reports for the cubin's one kernel."""
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run(
+            [knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    line = next(line for line in usage.splitlines() if "REG:" in line)
+    return {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
+
+
 class Specializer:
-    """Launch -> Variant for one target, as ``JITFunction.run`` does at a launch."""
+    """Launch -> Variant for one target, as ``JITFunction.run`` does at a launch; Variant ->
+    Resources by compiling it for the target."""
 
     def __init__(self, capability: int) -> None:
         from triton.backends.compiler import GPUTarget
@@ -226,39 +249,14 @@ class Specializer:
         )
         return Variant(kernel, signature, constexprs, attrs, options.__dict__)
 
+    def compile(self, variant: Variant) -> Resources:
+        import triton
+        from triton.compiler import ASTSource
 
-@dataclass(frozen=True)
-class Resources:
-    shared: int  # bytes per block: Triton's dynamic shared memory plus the cubin's static
-    registers: int  # per thread
-    stack: int  # stack frame bytes per thread: where ptxas puts the registers it spills
-
-
-def _resource_usage(cubin: bytes) -> dict[str, int]:
-    """The counters ``cuobjdump --dump-resource-usage`` reports for the cubin's one kernel."""
-    from triton import knobs
-
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        usage = subprocess.run(
-            [knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
-            capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
-    line = next(line for line in usage.splitlines() if "REG:" in line)
-    return {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
-
-
-def compile_variant(variant: Variant, capability: int) -> Resources:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    source = ASTSource(variant.kernel, variant.signature, variant.constexprs, variant.attrs)
-    target = GPUTarget("cuda", capability, 32)
-    compiled = triton.compile(source, target=target, options=variant.options)
-    used = _resource_usage(compiled.asm["cubin"])
-    return Resources(compiled.metadata.shared + used["SHARED"], used["REG"], used["STACK"])
+        source = ASTSource(variant.kernel, variant.signature, variant.constexprs, variant.attrs)
+        compiled = triton.compile(source, target=self.target, options=variant.options)
+        used = _resource_usage(compiled.asm["cubin"])
+        return Resources(compiled.metadata.shared + used["SHARED"], used["REG"], used["STACK"])
 
 
 def unavailable() -> str | None:
@@ -308,7 +306,7 @@ def collect(target_name: str) -> list[dict]:
                 row = (model, dtype_name, group, variant.kernel.__name__, variant.key)
                 counts[row] = counts.get(row, 0) + 1
                 variants[variant.key] = variant
-    resources = {key: compile_variant(v, target.capability) for key, v in variants.items()}
+    resources = {key: specializer.compile(v) for key, v in variants.items()}
     return [
         dict(
             model=model, dtype=dtype, target=target_name, group=group, kernel=kernel,

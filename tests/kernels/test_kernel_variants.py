@@ -51,12 +51,18 @@ def _compile_in_subprocesses() -> dict:
         for target in kernel_variants.TARGETS
     ]  # fmt: skip
     rows, skip = [], None
-    for run in runs:
-        out, err = run.communicate(timeout=900)
-        assert run.returncode == 0, err[-4000:]
-        result = json.loads(out.splitlines()[-1])
-        skip = skip or result.get("skip")
-        rows += result.get("rows", [])
+    try:
+        for run in runs:
+            out, err = run.communicate(timeout=900)
+            assert run.returncode == 0, err[-4000:]
+            result = json.loads(out.splitlines()[-1])
+            skip = skip or result.get("skip")
+            rows += result.get("rows", [])
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
     return {"skip": skip} if skip else {"rows": rows}
 
 
