@@ -11,11 +11,13 @@ Shapes are those of ``kernels.reference``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 
 from kernels import reference
+from kernels.launch import Launch
 from kernels.rotary import RopeLayout, rotate_reference
 
 
@@ -136,31 +138,48 @@ class CpuBackend(TorchBackend):
 
 
 class TritonBackend(AttentionBackend):
+    """The Triton kernels. Each operation builds its launches (``kernels.launch.Launch``) and
+    hands them to ``run``, which launches them; ``sms`` overrides the device's multiprocessor
+    count that decode splits are planned for. Both are there so that the launches of a model's
+    steps can be collected, and compiled ahead of time for a GPU that is not present."""
+
     name = "triton"
     capturable = True
 
-    def __init__(self) -> None:
+    def __init__(
+        self, run: Callable[[Launch], None] = Launch.__call__, sms: int | None = None
+    ) -> None:
         from kernels import rotary, triton_attention
 
         self._attention = triton_attention
-        self._rotate = rotary.rotate_triton
+        self._rotary = rotary
+        self._run = run
+        self._sms = sms
+
+    def _launch(self, launches: list[Launch]) -> None:
+        for launch in launches:
+            self._run(launch)
 
     def write_cache(self, cache, rows, slots):
-        self._attention.write_cache(cache, rows, slots)
+        self._launch(self._attention.write_cache_launches(cache, rows, slots))
 
     def prefill(self, q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens,
                 scale, window):  # fmt: skip
-        return self._attention.prefill_attention(
+        out, launches = self._attention.prefill_launches(
             q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, scale, window
         )
+        self._launch(launches)
+        return out
 
     def decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, window, plan=None):
-        return self._attention.decode_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, window
+        out, launches = self._attention.decode_launches(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, window, sms=self._sms
         )
+        self._launch(launches)
+        return out
 
     def rotate_keys(self, cache, blocks, delta, layout):
-        self._rotate(cache, blocks, delta, layout)
+        self._launch(self._rotary.rotate_launches(cache, blocks, delta, layout))
 
 
 BACKENDS: dict[str, type[AttentionBackend]] = {

@@ -67,7 +67,7 @@ class ForwardContext:
                 meta.prefix_lens[nd:], scale, meta.window,
             )  # fmt: skip
         self.backend.write_cache(k_cache, k, meta.slot_mapping)
-        if v_cache.data_ptr() != k_cache.data_ptr():
+        if v_cache.untyped_storage() is not k_cache.untyped_storage():  # MLA: V is part of K
             self.backend.write_cache(v_cache, v, meta.slot_mapping)
         if nd:
             out[:nd] = self.backend.decode(

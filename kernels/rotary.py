@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.launch import Launch
+
 try:
     import triton
     import triton.language as tl
@@ -116,19 +118,28 @@ if triton is not None:
         tl.store(ptr2, (x2 * cos + x1 * sin).to(dtype), mask=mask)
 
 
-def rotate_triton(
+def rotate_launches(
     cache: torch.Tensor, blocks: torch.Tensor, delta: int, layout: RopeLayout
-) -> None:
-    """As ``rotate_reference``; one program per cache row, all heads of the row at once."""
+) -> list[Launch]:
+    """What ``rotate_triton`` launches: one program per cache row, all heads of the row at once
+    (nothing for no blocks or no move)."""
     if blocks.numel() == 0 or delta == 0:
-        return
+        return []
     _, block_size, heads, _ = cache.shape
     half = layout.inv_freq.numel()
     cos, sin = (t.to(cache.device, torch.float32) for t in delta_cos_sin(layout, delta))
     blocks = blocks.to(cache.device, torch.int32)
     grid = (blocks.numel() * block_size,)
-    _rotate_kernel[grid](
-        cache, blocks, cos, sin, *cache.stride(),
+    params = dict(
         H=heads, HALF=half, START=layout.start, INTERLEAVED=layout.interleaved, BS=block_size,
         BLOCK_H=triton.next_power_of_2(heads), BLOCK_P=triton.next_power_of_2(half),
     )  # fmt: skip
+    return [Launch(_rotate_kernel, grid, (cache, blocks, cos, sin, *cache.stride()), params)]
+
+
+def rotate_triton(
+    cache: torch.Tensor, blocks: torch.Tensor, delta: int, layout: RopeLayout
+) -> None:
+    """As ``rotate_reference``, on the GPU."""
+    for launch in rotate_launches(cache, blocks, delta, layout):
+        launch()

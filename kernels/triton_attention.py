@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import Launch
+
 _LOG2E = 1.4426950408889634
 
 
@@ -311,26 +313,41 @@ def _merge_kernel(
     stride_oh,
     stride_od,
     DV: tl.constexpr,
+    MAX_S: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
+    # The log-sum-exps of all splits give the max and the total mass; the partial outputs are
+    # then summed BLOCK_S splits at a time, so that a program holds BLOCK_S x BLOCK_DV of them
+    # rather than MAX_S x BLOCK_DV (which does not fit in registers for wide values).
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    split = tl.arange(0, BLOCK_S)
-    dv = tl.arange(0, BLOCK_DV)
-    part = (seq.to(tl.int64) * num_heads + head) * num_splits + split
-    lse = tl.load(part_lse_ptr + part, mask=split < num_splits, other=float("-inf"))
+    first = (seq.to(tl.int64) * num_heads + head) * num_splits
+    split = tl.arange(0, MAX_S)
+    lse = tl.load(part_lse_ptr + first + split, mask=split < num_splits, other=float("-inf"))
     m = tl.max(lse, 0)
-    weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    o_mask = (split < num_splits)[:, None] & (dv < DV)[None, :]
-    o = tl.load(part_out_ptr + part[:, None] * DV + dv[None, :], mask=o_mask, other=0.0)
-    total = tl.sum(weight, 0)
-    out = tl.sum(weight[:, None] * o, 0) / tl.where(total == 0.0, 1.0, total)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp2(lse - m), 0)
+    dv = tl.arange(0, BLOCK_DV)
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for start in range(0, num_splits, BLOCK_S):
+        part = start + tl.arange(0, BLOCK_S)
+        used = part < num_splits
+        weight = tl.exp2(tl.load(part_lse_ptr + first + part, mask=used, other=float("-inf")) - m)
+        o_ptrs = part_out_ptr + (first + part)[:, None] * DV + dv[None, :]
+        o = tl.load(o_ptrs, mask=used[:, None] & (dv < DV)[None, :], other=0.0)
+        acc += tl.sum(weight[:, None] * o, 0)
+    out = acc / tl.where(total == 0.0, 1.0, total)
     o_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + dv * stride_od
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
 
 
-@triton.jit
+# Step-dependent scalars (batch size, table width) and the index arrays sliced per step are not
+# specialized on, so that no step compiles a variant of its own.
+@triton.jit(
+    do_not_specialize=["ring_len", "num_seqs", "stride_tb"],
+    do_not_specialize_on_alignment=["table_ptr", "cu_ptr", "prefix_ptr"],
+)
 def _prefill_kernel(
     q_ptr,
     k_ptr,
@@ -387,10 +404,14 @@ def _prefill_kernel(
 ):
     # Query tiles of all sequences share axis 0 without a host-side max length: sequence i owns
     # tiles from cu[i] // BLOCK_Q + i on, which leaves room for its ceil(n_i / BLOCK_Q) tiles.
+    # The owner is the number of sequences starting at or before the tile, less one, counted
+    # BLOCK_SEQS at a time (a fixed width: the batch size does not pick a variant).
     tile = tl.program_id(0)
-    seqs = tl.arange(0, BLOCK_SEQS)
-    cu = tl.load(cu_ptr + seqs, mask=seqs < num_seqs, other=2**30)
-    seq = tl.sum((cu // BLOCK_Q + seqs <= tile).to(tl.int32), 0) - 1
+    seq = tl.full([], -1, tl.int32)
+    for first in range(0, num_seqs, BLOCK_SEQS):
+        seqs = first + tl.arange(0, BLOCK_SEQS)
+        cu = tl.load(cu_ptr + seqs, mask=seqs < num_seqs, other=2**30)
+        seq += tl.sum((cu // BLOCK_Q + seqs <= tile).to(tl.int32), 0)
     q_start = tl.load(cu_ptr + seq)
     n = tl.load(cu_ptr + seq + 1) - q_start
     q0 = (tile - q_start // BLOCK_Q - seq) * BLOCK_Q
@@ -471,7 +492,9 @@ def _sm_count(device_index: int) -> int:
 def _v_is_k_prefix(k: torch.Tensor, v: torch.Tensor, d1: int) -> bool:
     """v is the first d1 columns of k's own rows (MLA's latent view)."""
     same_rows = v.shape[:-1] == k.shape[:-1] and v.stride() == k.stride()
-    return same_rows and v.data_ptr() == k.data_ptr() and v.shape[-1] == d1
+    same_start = v.untyped_storage() is k.untyped_storage()
+    same_start = same_start and v.storage_offset() == k.storage_offset()
+    return same_rows and same_start and v.shape[-1] == d1
 
 
 def _rows_contiguous(block_tables: torch.Tensor) -> torch.Tensor:
@@ -500,25 +523,35 @@ def _dims(dk: int, dv: int) -> dict:
 
 def decode_tile(dtype: torch.dtype, dk: int, group: int) -> Tile:
     """Default decode tile, from ``python -m bench.kernel_speed --sweep`` on an H100 (bf16;
-    bench/results/). Wide keys (MLA's 576) take 64 heads per program, so each latent row is
-    read once for 64 heads, on 8 warps; fp32 dots run on FMA units, so fp32 tiles are smaller."""
+    bench/results/), then held within shared memory and free of register spills on sm_90 and
+    sm_80 by ``tests/kernels/test_kernel_variants.py``. fp32 dots run on FMA units, so fp32
+    tiles are smaller, and from 128 wide on take 8 warps (4 spill on sm_90). Wide keys (MLA's
+    576) take 32 heads per program on 8 warps, each latent row read once per 32 heads: a 64-head
+    program needs more registers than a thread has (its fp32 accumulator alone is 64 x 512)."""
     rows, width = min(_pow2(group), 64), _pow2(dk)
     if dtype == torch.float32:
-        return Tile(min(rows, 32), 32 if width <= 128 else 16, 4 if width <= 128 else 8)
+        return Tile(min(rows, 32), 32 if width <= 128 else 16, 4 if width <= 64 else 8)
     if width > 256:
-        return Tile(rows, 32, 8, 3)
+        return Tile(min(rows, 32), 32, 8, 3)
     return Tile(rows, 64 if width <= 128 else 32, 4, 2)
 
 
 def prefill_tile(dtype: torch.dtype, dk: int, dv: int) -> Tile:
-    """Default prefill tile, sized from an ahead-of-time compile for sm_90 (``triton.compile``
-    plus ``cuobjdump --dump-resource-usage``): within shared memory, no register spills."""
+    """Default prefill tile, sized by the ahead-of-time compile of
+    ``tests/kernels/test_kernel_variants.py`` for sm_90 and sm_80: within shared memory, no
+    register spills. Head dim 256 takes smaller tiles than its neighbours (16 fp32 rows; 16
+    keys per step in 16-bit): the larger ones spill on sm_80, where ptxas gives 8 warps 128
+    registers each. MLA's keys (576) hold more, but its values are a view of them: no V tile."""
     width = max(_pow2(dk), _pow2(dv))
     if dtype == torch.float32:
+        if width == 256:
+            return Tile(16, 16, 4)
         return Tile(32, 16, 4 if width <= 64 else 8)
     if width <= 64:
         return Tile(64, 64, 4)
-    return Tile(64 if width <= 128 else 32, 32, 8)
+    if width <= 128:
+        return Tile(64, 32, 8)
+    return Tile(32, 16 if width == 256 else 32, 8)
 
 
 def _precision(dtype: torch.dtype) -> dict:
@@ -533,6 +566,10 @@ def _precision(dtype: torch.dtype) -> dict:
 PROGRAMS_PER_SM = 4
 MAX_SPLITS = 128
 MIN_SPLIT_TOKENS = 128
+# Partial outputs a merge program holds at once (32 values per thread on its 4 warps).
+MERGE_VALUES = 4096
+# Sequences a prefill program scans per pass when it looks up which sequence its tile is of.
+SEQS_PER_PASS = 64
 
 
 def choose_num_splits(programs: int, max_context: int, sms: int) -> int:
@@ -544,20 +581,27 @@ def choose_num_splits(programs: int, max_context: int, sms: int) -> int:
     return max(1, min(wanted, longest, MAX_SPLITS))
 
 
-def write_cache(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter ``rows`` ([T, H, D]) into ``cache`` ([N, bs, H, D]); slot -1 is skipped."""
+def write_cache_launches(
+    cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor
+) -> list[Launch]:
+    """What ``write_cache`` launches (nothing for no rows)."""
     num_tokens = rows.shape[0]
     if num_tokens == 0:
-        return
+        return []
     _, block_size, heads, dim = cache.shape
     assert rows.shape[1:] == (heads, dim), (rows.shape, cache.shape)
     width = heads * dim
     block = min(triton.next_power_of_2(width), 1024)
     grid = (num_tokens, triton.cdiv(width, block))
-    _write_cache_kernel[grid](
-        cache, rows, slot_mapping, *cache.stride(), *rows.stride(),
-        BS=block_size, D=dim, WIDTH=width, BLOCK=block,
-    )  # fmt: skip
+    args = (cache, rows, slot_mapping, *cache.stride(), *rows.stride())
+    return [Launch(_write_cache_kernel, grid, args, dict(BS=block_size, D=dim, WIDTH=width,
+                                                        BLOCK=block))]  # fmt: skip
+
+
+def write_cache(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter ``rows`` ([T, H, D]) into ``cache`` ([N, bs, H, D]); slot -1 is skipped."""
+    for launch in write_cache_launches(cache, rows, slot_mapping):
+        launch()
 
 
 @dataclass(frozen=True)
@@ -569,6 +613,14 @@ class LaunchPlan:
     num_splits: int
 
 
+def device_sms(device: torch.device) -> int:
+    """Multiprocessors a decode split plan fills: 0 where programs do not run in parallel
+    (CPU tensors, the interpreter), which plans no split."""
+    if device.type != "cuda" or _interpreted():
+        return 0
+    return _sm_count(device.index or 0)
+
+
 def launch_plan(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -577,21 +629,74 @@ def launch_plan(
     window: int = 0,
     num_splits: int | None = None,
     tile: Tile | None = None,
+    sms: int | None = None,
 ) -> LaunchPlan:
-    """How ``decode_attention`` will launch for these inputs (the benchmark reports it)."""
+    """How ``decode_attention`` will launch for these inputs (the benchmark reports it).
+    ``sms``: the multiprocessors to fill, by default ``device_sms`` of q's device."""
     num_kv_heads = k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     tile = tile or decode_tile(k_cache.dtype, q.shape[-1], group)
     head_tiles = triton.cdiv(group, tile.rows)
     if num_splits is None:
+        sms = device_sms(q.device) if sms is None else sms
         num_splits = 1
-        if q.is_cuda and not _interpreted():  # the interpreter has no parallelism to win
+        if sms > 0:
             max_context = block_tables.shape[1] * k_cache.shape[1]
             if window > 0:
                 max_context = min(max_context, window)
             programs = q.shape[0] * num_kv_heads * head_tiles
-            num_splits = choose_num_splits(programs, max_context, _sm_count(q.device.index or 0))
+            num_splits = choose_num_splits(programs, max_context, sms)
     return LaunchPlan(tile, head_tiles, num_splits)
+
+
+def decode_launches(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    *,
+    num_splits: int | None = None,
+    tile: Tile | None = None,
+    sms: int | None = None,
+) -> tuple[torch.Tensor, list[Launch]]:
+    """The output of ``decode_attention`` (not yet written) and the launches that fill it."""
+    batch, num_heads, dk = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    dv = v_cache.shape[-1]
+    out = torch.empty(batch, num_heads, dv, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out, []
+    block_tables = _rows_contiguous(block_tables)
+    plan = launch_plan(q, k_cache, v_cache, block_tables, window, num_splits, tile, sms)
+    num_splits, tile = plan.num_splits, plan.tile
+    # Partial results are fp32 even when unused (one split), so the pointer types, and with
+    # them the compiled variant, do not depend on the split count.
+    parts = batch * num_heads * num_splits if num_splits > 1 else 0
+    part_out = torch.empty(parts, dv, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(parts, dtype=torch.float32, device=q.device)
+    dims = _dims(dk, dv)
+    grid = (batch, num_kv_heads * plan.head_tiles, num_splits)
+    args = (
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        scale * _LOG2E, window, block_tables.shape[1], num_heads, num_splits,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
+    )  # fmt: skip
+    params = dict(
+        GROUP=num_heads // num_kv_heads, HEAD_TILES=plan.head_tiles, BS=block_size,
+        WINDOWED=window > 0, SHARED_V=_v_is_k_prefix(k_cache, v_cache, dims["D1"]),
+        BLOCK_G=tile.rows, BLOCK_N=tile.block_n, **dims, **_precision(k_cache.dtype),
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
+    launches = [Launch(_decode_kernel, grid, args, params)]
+    if num_splits > 1:
+        args = (part_out, part_lse, out, num_heads, num_splits, *out.stride())
+        block_s = max(1, MERGE_VALUES // dims["BLOCK_DV"])
+        params = dict(DV=dv, MAX_S=MAX_SPLITS, BLOCK_S=block_s, BLOCK_DV=dims["BLOCK_DV"])
+        launches.append(Launch(_merge_kernel, (batch, num_heads), args, params))
+    return out, launches
 
 
 def decode_attention(
@@ -611,39 +716,59 @@ def decode_attention(
     Grid: (B, KV heads x head tiles, splits); see ``launch_plan``. ``num_splits`` and ``tile``
     override the defaults (tests force split-K on and off; the benchmark sweeps tiles).
     """
-    batch, num_heads, dk = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    dv = v_cache.shape[-1]
-    out = torch.empty(batch, num_heads, dv, dtype=q.dtype, device=q.device)
-    if batch == 0:
-        return out
-    block_tables = _rows_contiguous(block_tables)
-    plan = launch_plan(q, k_cache, v_cache, block_tables, window, num_splits, tile)
-    num_splits, tile = plan.num_splits, plan.tile
-    if num_splits > 1:
-        part_out = torch.empty(
-            batch, num_heads, num_splits, dv, dtype=torch.float32, device=q.device
-        )
-        part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = out
-    dims = _dims(dk, dv)
-    grid = (batch, num_kv_heads * plan.head_tiles, num_splits)
-    _decode_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
-        scale * _LOG2E, window, block_tables.shape[1], num_heads, num_splits,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
-        GROUP=num_heads // num_kv_heads, HEAD_TILES=plan.head_tiles, BS=block_size,
-        WINDOWED=window > 0, SHARED_V=_v_is_k_prefix(k_cache, v_cache, dims["D1"]),
-        BLOCK_G=tile.rows, BLOCK_N=tile.block_n, **dims, **_precision(k_cache.dtype),
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    out, launches = decode_launches(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, window,
+        num_splits=num_splits, tile=tile,
     )  # fmt: skip
-    if num_splits > 1:
-        _merge_kernel[(batch, num_heads)](
-            part_out, part_lse, out, num_heads, num_splits, *out.stride(),
-            DV=dv, BLOCK_S=MAX_SPLITS, BLOCK_DV=dims["BLOCK_DV"],
-        )  # fmt: skip
+    for launch in launches:
+        launch()
     return out
+
+
+def prefill_launches(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    *,
+    tile: Tile | None = None,
+) -> tuple[torch.Tensor, list[Launch]]:
+    """The output of ``prefill_attention`` (not yet written) and the launches that fill it."""
+    assert k.dtype == k_cache.dtype and v.dtype == v_cache.dtype, "new K/V in the cache dtype"
+    block_tables = _rows_contiguous(block_tables)
+    num_tokens, num_heads, dk = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty(num_tokens, num_heads, v.shape[-1], dtype=q.dtype, device=q.device)
+    batch = prefix_lens.shape[0]
+    if num_tokens == 0 or batch == 0:
+        return out, []
+    group = num_heads // num_kv_heads
+    dims = _dims(dk, v_cache.shape[-1])
+    tile = tile or prefill_tile(k_cache.dtype, dk, v_cache.shape[-1])
+    block_g = min(triton.next_power_of_2(group), tile.rows)
+    block_q = tile.rows // block_g
+    head_tiles = triton.cdiv(group, block_g)
+    grid = (num_tokens // block_q + batch, num_kv_heads * head_tiles)
+    args = (
+        q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, out,
+        scale * _LOG2E, window, block_tables.shape[1], batch,
+        *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        block_tables.stride(0), *out.stride(),
+    )  # fmt: skip
+    params = dict(
+        GROUP=group, HEAD_TILES=head_tiles, BS=block_size, WINDOWED=window > 0,
+        SHARED_V=_v_is_k_prefix(k_cache, v_cache, dims["D1"]),
+        SHARED_V_NEW=_v_is_k_prefix(k, v, dims["D1"]),
+        BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_SEQS=SEQS_PER_PASS, BLOCK_N=tile.block_n,
+        **dims, **_precision(k_cache.dtype), num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
+    return out, [Launch(_prefill_kernel, grid, args, params)]
 
 
 def prefill_attention(
@@ -666,30 +791,10 @@ def prefill_attention(
     times BLOCK_G query heads of one KV head as its rows, walks the cached prefix through the
     block table, then the chunk's own keys up to its last row.
     """
-    assert k.dtype == k_cache.dtype and v.dtype == v_cache.dtype, "new K/V in the cache dtype"
-    block_tables = _rows_contiguous(block_tables)
-    num_tokens, num_heads, dk = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    out = torch.empty(num_tokens, num_heads, v.shape[-1], dtype=q.dtype, device=q.device)
-    batch = prefix_lens.shape[0]
-    if num_tokens == 0 or batch == 0:
-        return out
-    group = num_heads // num_kv_heads
-    dims = _dims(dk, v_cache.shape[-1])
-    tile = tile or prefill_tile(k_cache.dtype, dk, v_cache.shape[-1])
-    block_g = min(triton.next_power_of_2(group), tile.rows)
-    block_q = tile.rows // block_g
-    head_tiles = triton.cdiv(group, block_g)
-    grid = (num_tokens // block_q + batch, num_kv_heads * head_tiles)
-    _prefill_kernel[grid](
-        q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, out,
-        scale * _LOG2E, window, block_tables.shape[1], batch,
-        *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        block_tables.stride(0), *out.stride(),
-        GROUP=group, HEAD_TILES=head_tiles, BS=block_size, WINDOWED=window > 0,
-        SHARED_V=_v_is_k_prefix(k_cache, v_cache, dims["D1"]),
-        SHARED_V_NEW=_v_is_k_prefix(k, v, dims["D1"]),
-        BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_SEQS=_pow2(batch, 1), BLOCK_N=tile.block_n,
-        **dims, **_precision(k_cache.dtype), num_warps=tile.num_warps, num_stages=tile.num_stages,
+    out, launches = prefill_launches(
+        q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, scale, window,
+        tile=tile,
     )  # fmt: skip
+    for launch in launches:
+        launch()
     return out

@@ -212,6 +212,7 @@ def test_decode_sliding_window_over_ring(window, block_size, num_splits):
     [
         (576, 512, 16, torch.float32, 1),
         (576, 512, 16, torch.bfloat16, 3),
+        (576, 512, 16, torch.float32, 20),  # the merge sums 512-wide outputs 8 splits a pass
         (80, 48, 128, torch.float32, 2),  # 128 heads in one group: several head tiles
     ],
 )

@@ -1,0 +1,353 @@
+"""Every Triton kernel variant the launch code asks for, compiled ahead of time for sm_90 and
+sm_80 without a GPU, with the resources each compiled kernel takes.
+
+The launches come from the code that serves: ``kernels.paged.ForwardContext.attention`` and
+``rotate_keys`` of the ``triton`` backend, whose ``run`` records each launch instead of running
+it, on meta tensors shaped as a model's steps are (its KV-cache groups from ``models``). A launch
+becomes a variant the way Triton's JIT makes one: the constexprs plus the specialization Triton
+derives from the arguments (integers equal to 1 or divisible by 16, pointers aligned to 16
+bytes). Each distinct variant is compiled once with ``triton.compile`` for the target; its
+cubin's resource usage (``cuobjdump``) gives registers, static shared memory and the stack
+frame, where spilled registers go; Triton's metadata gives the dynamic shared memory.
+
+Run as a module, in a process without ``TRITON_INTERPRET`` (the kernels must be JIT functions):
+it prints one JSON document, ``{"skip": reason}`` or ``{"rows": [...]}`` with one row per
+(model, dtype, target, KV-cache group, kernel, variant).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+
+BLOCK_SIZE = 16  # the engine's default (engine/args.py)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A GPU generation: compute capability, multiprocessors (for the decode split plan) and the
+    most shared memory one block may opt in to (CUDA C++ Programming Guide, table of technical
+    specifications per compute capability: 227 KB on 9.0, 163 KB on 8.0)."""
+
+    capability: int
+    sms: int
+    max_shared: int
+
+
+TARGETS = {
+    "sm_90": Target(90, sms=132, max_shared=232_448),  # H100 SXM
+    "sm_80": Target(80, sms=108, max_shared=166_912),  # A100
+}
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# The config.json fields of the published checkpoints that shape attention and the cache.
+MODELS = {
+    "SmolLM2-135M": {
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 576, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192,
+    },
+    "Llama-3-8B": {
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192,
+    },
+    "Gemma-3-270M": {
+        "architectures": ["Gemma3ForCausalLM"], "hidden_size": 640, "num_hidden_layers": 18,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+        "sliding_window": 512, "sliding_window_pattern": 6, "max_position_embeddings": 32768,
+    },
+    "DeepSeek-V3": {
+        "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168, "num_hidden_layers": 61,
+        "num_attention_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128, "v_head_dim": 128, "max_position_embeddings": 163840,
+    },
+}  # fmt: skip
+
+# Steps the launch code could tell apart: batch sizes and table widths around 1 and multiples
+# of 16, decodes before prefills in odd and even numbers (the prefill part is a slice).
+BATCHES = (1, 2, 3, 4, 16, 17, 64, 256)
+CONTEXTS = (1, 15, 16, 17, 100, 1024, 4097, 32768)
+MIXED = ((0, 1), (1, 1), (2, 3), (3, 2), (4, 1), (5, 17), (16, 16))  # (decodes, prefills)
+CHUNKS = ((0, 1), (0, 15), (13, 16), (100, 256), (4000, 2048))  # (prefix, new tokens)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One engine step: contexts of the decodes, (prefix, new tokens) of the prefills."""
+
+    decodes: tuple[int, ...]
+    prefills: tuple[tuple[int, int], ...]
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return list(self.decodes) + [p + n for p, n in self.prefills]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for _, n in self.prefills)
+
+
+def model_config(name: str):
+    from models.config import ModelConfig
+
+    return ModelConfig(Path(name), MappingProxyType(MODELS[name]))
+
+
+def steps(max_len: int) -> Iterator[Step]:
+    for batch in BATCHES:
+        for context in CONTEXTS:
+            if context <= max_len:
+                yield Step((context,) * batch, ())
+    for i, (decodes, prefills) in enumerate(MIXED):
+        for j, (prefix, new) in enumerate(CHUNKS):
+            context = CONTEXTS[(i + j) % len(CONTEXTS)]
+            yield Step((min(context, max_len),) * decodes, ((prefix, new),) * prefills)
+
+
+def _metadata(step: Step, width: int, window: int):
+    from kernels.paged import AttentionMetadata
+
+    batch = len(step.seq_lens)
+    meta = dict(dtype=torch.int32, device="meta")
+    return AttentionMetadata(
+        slot_mapping=torch.empty(step.num_tokens, dtype=torch.int64, device="meta"),
+        block_tables=torch.empty(batch, width, **meta),
+        seq_lens=torch.empty(batch, **meta),
+        prefix_lens=torch.empty(batch, **meta),
+        cu_seqlens_q=torch.empty(batch + 1, **meta),
+        num_decodes=len(step.decodes),
+        window=window,
+    )
+
+
+def _layer_tensors(spec, num_heads: int, tokens: int, dtype: torch.dtype):
+    """The per-layer caches as ``kv_spec`` lays them out (two blocks: the block count changes
+    no stride), and q, k, v of ``tokens`` new tokens as the models hand them to attention."""
+    from models.kv_spec import MLASpec
+
+    new = dict(dtype=dtype, device="meta")
+    if isinstance(spec, MLASpec):
+        dk, dv, heads = spec.row_width, spec.kv_lora_rank, 1
+    else:
+        dk, dv, heads = spec.head_dim, spec.head_dim, spec.num_kv_heads
+    k_cache = torch.empty(2, BLOCK_SIZE, heads, dk, **new)
+    k = torch.empty(tokens, heads, dk, **new)
+    if isinstance(spec, MLASpec):
+        v_cache, v = k_cache[..., :dv], k[..., :dv]
+    else:
+        v_cache, v = torch.empty_like(k_cache), torch.empty(tokens, heads, dv, **new)
+    return (k_cache, v_cache), (torch.empty(tokens, num_heads, dk, **new), k, v)
+
+
+def _rope_layout(spec):
+    """Where the rotary part of a cached row is (``cached_key_rope`` of the models)."""
+    from kernels.rotary import RopeLayout
+    from models.kv_spec import MLASpec
+
+    if isinstance(spec, MLASpec):
+        return RopeLayout(torch.empty(spec.qk_rope_head_dim // 2), start=spec.kv_lora_rank)
+    return RopeLayout(torch.empty(spec.head_dim // 2))
+
+
+def record_launches(name: str, dtype: torch.dtype, sms: int) -> Iterator[tuple[int, object]]:
+    """(KV-cache group, launch) of every step of the model, through the serving code path."""
+    from kernels.backend import TritonBackend
+    from kernels.paged import ForwardContext
+    from models.loader import model_class
+
+    cfg = model_config(name)
+    dtype_name = str(dtype).removeprefix("torch.")
+    groups = model_class(cfg).kv_cache_groups(cfg, dtype_name)
+    launches: list = []
+    backend = TritonBackend(run=launches.append, sms=sms)
+    for g, group in enumerate(groups):
+        spec = group.spec
+        for step in steps(cfg.max_position_embeddings):
+            # As the model runner builds tables: as wide as the longest sequence needs.
+            width = spec.table_width(max(step.seq_lens), BLOCK_SIZE)
+            caches, (q, k, v) = _layer_tensors(spec, cfg.num_heads, step.num_tokens, dtype)
+            meta = _metadata(step, width, spec.window)
+            ForwardContext(backend, [meta], [caches], (0,)).attention(0, q, k, v, 0.1)
+        for blocks in (1, 3, 17):  # a context shift re-rotates whole blocks
+            ids = torch.empty(blocks, dtype=torch.int64, device="meta")
+            backend.rotate_keys(caches[0], ids, -37, _rope_layout(spec))
+        yield from ((g, launch) for launch in launches)
+        launches.clear()
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What Triton compiles for a launch: the ``triton.compile`` inputs, and a key for them."""
+
+    kernel: object
+    signature: dict
+    constexprs: dict
+    attrs: dict
+    options: dict
+
+    @property
+    def key(self) -> str:
+        parts = (self.signature, sorted(self.constexprs.items()), self.attrs, self.options)
+        return f"{self.kernel.__name__}:" + repr(parts)
+
+
+@dataclass(frozen=True)
+class Resources:
+    shared: int  # bytes per block: Triton's dynamic shared memory plus the cubin's static
+    registers: int  # per thread
+    stack: int  # stack frame bytes per thread: where ptxas puts the registers it spills
+
+
+def _resource_usage(cubin: bytes) -> dict[str, int]:
+    """The counters ``cuobjdump --dump-resource-usage`` reports for the cubin's one kernel."""
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run(
+            [knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    line = next(line for line in usage.splitlines() if "REG:" in line)
+    return {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
+
+
+class Specializer:
+    """Launch -> Variant for one target, as ``JITFunction.run`` does at a launch; Variant ->
+    Resources by compiling it for the target."""
+
+    def __init__(self, capability: int) -> None:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+
+        self.target = GPUTarget("cuda", capability, 32)
+        self.backend = make_backend(self.target)
+        self._binders: dict = {}
+
+    def variant(self, launch) -> Variant:
+        from triton.runtime.jit import create_function_from_signature
+
+        kernel = launch.kernel
+        if kernel not in self._binders:
+            self._binders[kernel] = create_function_from_signature(
+                kernel.signature, kernel.params, self.backend
+            )
+        bound, specialization, options = self._binders[kernel](*launch.args, **launch.params)
+        options, signature, constexprs, attrs = kernel._pack_args(
+            self.backend, dict(launch.params), bound, specialization, options
+        )
+        return Variant(kernel, signature, constexprs, attrs, options.__dict__)
+
+    def compile(self, variant: Variant) -> Resources:
+        import triton
+        from triton.compiler import ASTSource
+
+        source = ASTSource(variant.kernel, variant.signature, variant.constexprs, variant.attrs)
+        compiled = triton.compile(source, target=self.target, options=variant.options)
+        used = _resource_usage(compiled.asm["cubin"])
+        return Resources(compiled.metadata.shared + used["SHARED"], used["REG"], used["STACK"])
+
+
+def unavailable() -> str | None:
+    """Why variants cannot be compiled in this process, or None."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "TRITON_INTERPRET=1: the kernels are interpreted, not compiled"
+    try:
+        import triton
+        from triton import knobs
+        from triton.backends import backends
+    except ImportError as e:
+        return f"triton cannot be imported ({e})"
+    if "nvidia" not in backends:
+        return "triton has no NVIDIA backend"
+    for tool in ("ptxas", "ptxas_blackwell", "cuobjdump"):  # ptxas below sm_90, the other above
+        try:
+            getattr(knobs.nvidia, tool)
+        except RuntimeError as e:
+            return f"triton's NVIDIA tools are incomplete: {e}"
+    from triton.runtime import jit
+
+    # Specializer goes through these, as JITFunction.run does (Triton 3.x internals).
+    if not hasattr(jit, "create_function_from_signature") or not hasattr(
+        jit.JITFunction, "_pack_args"
+    ):
+        return f"triton {triton.__version__} specializes launches differently than expected"
+    return None
+
+
+def _variant_id(key: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(key.encode()).hexdigest()[:10]
+
+
+def collect(target_name: str) -> list[dict]:
+    """One row per (model, dtype, KV-cache group, kernel, variant) for the target, with its
+    launch count and the compiled variant's resources."""
+    target = TARGETS[target_name]
+    specializer = Specializer(target.capability)
+    counts: dict[tuple, int] = {}
+    variants: dict[str, Variant] = {}
+    for model in MODELS:
+        for dtype_name, dtype in DTYPES.items():
+            for group, launch in record_launches(model, dtype, target.sms):
+                variant = specializer.variant(launch)
+                row = (model, dtype_name, group, variant.kernel.__name__, variant.key)
+                counts[row] = counts.get(row, 0) + 1
+                variants[variant.key] = variant
+    resources = {key: specializer.compile(v) for key, v in variants.items()}
+    return [
+        dict(
+            model=model, dtype=dtype, target=target_name, group=group, kernel=kernel,
+            variant=_variant_id(key), launches=launches, max_shared=target.max_shared,
+            **asdict(resources[key]),
+        )
+        for (model, dtype, group, kernel, key), launches in counts.items()
+    ]  # fmt: skip
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: per model, target and kernel (and all kernels together), the variants per dtype
+    and the largest shared memory, registers and stack frame among them."""
+    lines = [
+        "| model | target | kernel | variants fp32/fp16/bf16 | max shared B (limit) "
+        "| max registers | max stack B |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        for kernel in (r["kernel"].strip("_"), "all"):
+            groups.setdefault((r["model"], r["target"], kernel), []).append(r)
+    for (model, target, kernel), mine in sorted(groups.items()):
+        counts = "/".join(
+            str(len({(r["group"], r["kernel"], r["variant"]) for r in mine if r["dtype"] == d}))
+            for d in DTYPES
+        )
+        worst = {k: max(r[k] for r in mine) for k in ("shared", "registers", "stack")}
+        lines.append(
+            f"| {model} | {target} | {kernel} | {counts} "
+            f"| {worst['shared']:,} ({mine[0]['max_shared']:,}) | {worst['registers']} "
+            f"| {worst['stack']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    """``python -m tests.kernels.kernel_variants TARGET`` (a key of TARGETS)."""
+    why = unavailable()
+    print(json.dumps({"skip": why} if why else {"rows": collect(argv[0])}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,117 @@
+"""The Triton kernels as the launch code asks for them, compiled for Hopper (sm_90) and Ampere
+(sm_80) without a GPU: each fits the target's shared memory, keeps its registers out of local
+memory, and a model's steps never ask for a new variant (see ``kernel_variants``).
+
+The variants come from the serving code path run on meta tensors for four real model shapes
+(SmolLM2-135M: 9/3 heads of 64, Llama-3-8B: 32/8 of 128, Gemma 3 270M: 4/1 of 256 with a
+512-token window on 5 of 6 layers, DeepSeek-V3: MLA over 576-wide latents for 128 heads), in
+fp32, fp16 and bf16, over batch sizes, table widths and decode/prefill mixes chosen around the
+values Triton specializes on. They are compiled in a separate process, where the kernels are JIT
+functions rather than interpreted ones.
+
+Bounds:
+  - shared memory per block (Triton's dynamic plus the cubin's static) within the target's
+    opt-in limit (``kernel_variants.TARGETS``);
+  - no spills: a stack frame of 0 bytes (where ptxas puts spilled registers) for every kernel,
+    prefill included. A spill in the loop of an attention kernel costs a local-memory round
+    trip per key tile, the traffic the kernels exist to avoid, and every layout has a tile that
+    does without: no bound above 0 is needed.
+  - variants: one per (model, dtype, KV-cache group, kernel). Every step (batch size, context
+    length, number of decodes, table width) launches the variant the first step compiled, so a
+    server compiles at most 5 kernels x cache groups per dtype, all of them in its first steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from tests.kernels import kernel_variants
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNELS = {"_decode_kernel", "_merge_kernel", "_prefill_kernel", "_write_cache_kernel",
+           "_rotate_kernel"}  # fmt: skip
+
+
+def _compile_in_subprocesses() -> dict:
+    """``kernel_variants`` run once per target, the targets side by side (one core each)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, said out loud
+    command = [sys.executable, "-m", "tests.kernels.kernel_variants"]
+    runs = [
+        subprocess.Popen([*command, target], cwd=ROOT, env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for target in kernel_variants.TARGETS
+    ]  # fmt: skip
+    rows, skip = [], None
+    try:
+        for run in runs:
+            out, err = run.communicate(timeout=900)
+            assert run.returncode == 0, err[-4000:]
+            result = json.loads(out.splitlines()[-1])
+            skip = skip or result.get("skip")
+            rows += result.get("rows", [])
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+    return {"skip": skip} if skip else {"rows": rows}
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict]:
+    pytest.importorskip("triton")
+    result = _compile_in_subprocesses()
+    if "skip" in result:
+        print(f"kernel variants not compiled: {result['skip']}")
+        pytest.skip(result["skip"])
+    print(kernel_variants.table(result["rows"]))
+    return result["rows"]
+
+
+def test_every_model_dtype_and_target_launches_every_kernel(rows):
+    seen = defaultdict(set)
+    for row in rows:
+        seen[row["model"], row["dtype"], row["target"]].add(row["kernel"])
+    expected = {
+        (m, d, t)
+        for m in kernel_variants.MODELS
+        for d in kernel_variants.DTYPES
+        for t in kernel_variants.TARGETS
+    }
+    assert set(seen) == expected
+    assert all(kernels == KERNELS for kernels in seen.values()), dict(seen)
+
+
+def test_every_variant_fits_the_targets_shared_memory(rows):
+    over = [r for r in rows if r["shared"] > r["max_shared"]]
+    assert not over, kernel_variants.table(over)
+
+
+def test_no_variant_spills_registers(rows):
+    spilling = [r for r in rows if r["stack"] > 0]
+    assert not spilling, kernel_variants.table(spilling)
+
+
+def test_one_variant_per_model_dtype_group_and_kernel(rows):
+    variants = defaultdict(set)
+    for r in rows:
+        variants[r["model"], r["dtype"], r["target"], r["group"], r["kernel"]].add(r["variant"])
+    several = {k: v for k, v in variants.items() if len(v) > 1}
+    assert not several, sorted(several)
+
+
+def test_resources_are_read_from_the_compiled_kernels(rows):
+    # Every kernel holds registers; the attention kernels stage their dot operands in shared
+    # memory. Zeros here would mean the counters were not read.
+    assert all(r["registers"] > 0 for r in rows)
+    attention = [r for r in rows if r["kernel"] in ("_decode_kernel", "_prefill_kernel")]
+    assert attention and all(r["shared"] > 0 for r in attention)
