@@ -7,7 +7,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.errors import EngineDeadError
 from models.tokenizer import Tokenizer
-from tests.helpers import random_prompt, save_tiny_gemma3
+from tests.helpers import random_prompt, save_tiny_deepseek_v3, save_tiny_gemma3
 
 pytestmark = pytest.mark.slow
 
@@ -55,3 +55,11 @@ def test_a_rank_that_dies_ends_the_engine_with_an_error(tiny_llama_dir):
             llm.generate([random_prompt(5, 120)], SamplingParams(max_tokens=2))
     finally:
         llm.engine.shutdown()
+
+
+def test_two_ranks_give_the_tokens_of_one_mla_with_experts(tmp_path):
+    """DeepSeek-V3 (MLA heads split, latent replicated; a dense layer, then a mixture of
+    experts split per expert), chunked prefills beside decodes."""
+    save_tiny_deepseek_v3(tmp_path)
+    prompts = [random_prompt(n, 128, seed=n) for n in (5, 30, 47)]
+    assert greedy(tmp_path, prompts, 2) == greedy(tmp_path, prompts, 1)
