@@ -11,7 +11,8 @@ The ranks are started either by the engine (``spawn``, on this machine) or by a 
 launcher's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` set, rank 0
 serves and the others run ``run_rank``. A rank that has died is noticed before the next step
 is sent (``EngineDeadError``), and a collective waiting on a rank that died during a step gives
-up after ``TIMEOUT``.
+up after ``TIMEOUT``. The steps go out over a group of their own, on which ranks wait for rank
+0 as long as ``IDLE`` (the engine may sit idle, or load a large model first).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from models.tensor_parallel import TPRank
 
 log = logging.getLogger("kvserve.engine")
 TIMEOUT = datetime.timedelta(seconds=60)
+IDLE = datetime.timedelta(days=365)
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -78,7 +80,8 @@ def threads_per_rank(ranks_here: int) -> int:
     return max(1, (os.cpu_count() or 1) // ranks_here)
 
 
-def _init(launch: Launch, device: torch.device) -> None:
+def _init(launch: Launch, device: torch.device) -> dist.ProcessGroup:
+    """Joins the ranks; returns the group the steps are sent over."""
     if device.type == "cuda":
         if device.index is not None:  # rank 0 runs on the current GPU
             torch.cuda.set_device(device)
@@ -89,11 +92,12 @@ def _init(launch: Launch, device: torch.device) -> None:
         backend, init_method=launch.init_method, rank=launch.tp.rank, world_size=launch.tp.size,
         timeout=TIMEOUT,
     )  # fmt: skip
+    return dist.new_group(timeout=IDLE)
 
 
-def _broadcast(obj=None):
+def _broadcast(group: dist.ProcessGroup, obj=None):
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
@@ -117,12 +121,12 @@ class Workers:
             ]
             for p in self.procs:
                 p.start()
-        _init(launch, device)
-        self._finalizer = weakref.finalize(self, _stop, self.procs)
+        self.group = _init(launch, device)
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.group)
 
     def start(self, cache_config: CacheConfig) -> None:
         """Every rank allocates the same pools as rank 0."""
-        _broadcast(cache_config)
+        _broadcast(self.group, cache_config)
 
     def step(self, out: SchedulerOutput) -> None:
         dead = [i + 1 for i, p in enumerate(self.procs) if not p.is_alive()]
@@ -132,7 +136,7 @@ class Workers:
                 f"tensor-parallel rank(s) {dead} exited (codes {codes}); the engine stops"
             )
         try:
-            _broadcast(out)
+            _broadcast(self.group, out)
         except (RuntimeError, dist.DistError) as e:  # a launched rank is gone
             raise EngineDeadError(
                 f"tensor-parallel ranks unreachable ({e}); the engine stops"
@@ -146,10 +150,10 @@ def _rank(launch: Launch, rank: int) -> Launch:
     return dataclasses.replace(launch, tp=TPRank(rank, launch.tp.size), local_rank=rank)
 
 
-def _stop(procs: list) -> None:
+def _stop(procs: list, group: dist.ProcessGroup) -> None:
     if all(p.is_alive() for p in procs):
         try:
-            _broadcast(None)
+            _broadcast(group)
         except Exception:  # a rank is gone: the others are terminated below
             pass
     for p in procs:
@@ -163,10 +167,10 @@ def _stop(procs: list) -> None:
 def run_rank(args: EngineArgs, launch: Launch) -> None:
     """A rank other than 0: runs the steps rank 0 sends until it sends None."""
     device = rank_device(args, launch.local_rank)
-    _init(launch, device)
+    group = _init(launch, device)
     log.info("tensor-parallel rank %d of %d on %s", launch.tp.rank, launch.tp.size, device)
     runner = build_runner(dataclasses.replace(args, device=str(device)), launch.tp)
-    runner.allocate_kv_cache(_broadcast())
-    while (out := _broadcast()) is not None:
+    runner.allocate_kv_cache(_broadcast(group))
+    while (out := _broadcast(group)) is not None:
         runner.execute(out, sample=False)
     dist.destroy_process_group()
