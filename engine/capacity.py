@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from engine.config import GIB, CacheConfig, split_memory
 from models.config import ModelConfig
 from models.fetch import resolve_model
+from models.kv_spec import MLASpec
 from models.loader import model_class
 from models.tensor_parallel import TPRank, shard_config
 
@@ -88,7 +89,8 @@ def make_plan(
     dtype: str = "bfloat16",
     tensor_parallel_size: int = 1,
 ) -> Plan:
-    """With tensor parallelism, one rank's plan: its share of the KV heads in its memory."""
+    """With tensor parallelism, one rank's plan: its share of the KV heads in its memory (for
+    MLA, the whole latent cache: every rank holds it)."""
     cfg = ModelConfig.from_dir(resolve_model(model))
     rank_cfg = shard_config(cfg, TPRank(0, tensor_parallel_size))
     groups = model_class(cfg).kv_cache_groups(rank_cfg, dtype)
@@ -106,7 +108,10 @@ def format_plan(plan: Plan) -> str:
     )
     if plan.tensor_parallel_size > 1:
         n = plan.tensor_parallel_size
-        header += f"; per rank of {n} (each holds 1/{n} of the KV heads)"
+        if any(isinstance(g.spec, MLASpec) for g in plan.cache.groups):
+            header += f"; per rank of {n} (each holds the whole latent cache, shared by all heads)"
+        else:
+            header += f"; per rank of {n} (each holds 1/{n} of the KV heads)"
     layout = " + ".join(
         f"{len(g.layer_ids)} x {g.spec.bytes_per_token:,} {type(g.spec).__name__}"
         for g in plan.cache.groups

@@ -10,6 +10,10 @@ directly, for prefill and decode alike, by absorbing ``kv_b_proj`` into the two 
 
 so the query is ``[W_UK^T q_nope, q_pe]`` (one KV head: MQA over latents), the value is the
 first kv_lora_rank columns of the same cache row, and W_UV is applied after attention.
+
+Under tensor parallelism (``models.tensor_parallel``) a rank builds this model with 1/N of the
+heads (its rows of ``q_b_proj`` and ``kv_b_proj``, its columns of ``o_proj``) and of each MLP's
+and expert's columns; the latent row is computed and cached whole on every rank.
 """
 
 from __future__ import annotations

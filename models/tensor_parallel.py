@@ -1,7 +1,17 @@
-"""Tensor parallelism for the GQA/MHA layouts (Llama family, Gemma 3): each of N ranks holds
-1/N of the attention heads (query and KV) and of the MLP's columns; the attention output and
-MLP down projections are row-parallel, their partial sums all-reduced over torch.distributed.
-Embeddings, norms and the LM head are replicated.
+"""Tensor parallelism: each of N ranks holds 1/N of every layer's attention heads and MLP
+columns; the attention output and MLP down projections are row-parallel, their partial sums
+all-reduced over torch.distributed. Embeddings, norms and the LM head are replicated.
+
+Per layout:
+
+- GQA/MHA (Llama family, Gemma 3): query and KV heads split, so a rank caches 1/N of the K/V.
+- MLA (DeepSeek-V3): the query heads (``q_proj`` / ``q_b_proj`` outputs) and ``kv_b_proj``'s
+  per-head up-projections split by head; the compressed latent (``q_a_proj``,
+  ``kv_a_proj_with_mqa``, their norms, the rotary key) is replicated. One latent serves every
+  head, so every rank caches all of it: MLA's KV bytes per rank do not shrink with N.
+- Mixture of experts: each expert's (and the shared experts') intermediate columns split as a
+  dense MLP's; the router is replicated, so every rank picks the same experts, and the block's
+  combined output is all-reduced once rather than once per expert.
 
 A rank builds its model from ``shard_config`` (the per-rank head and MLP sizes, so every module
 and the KV cache come out at the rank's shape) and loads ``shard_weights`` of the checkpoint.
@@ -20,9 +30,19 @@ from torch import nn
 
 from models.config import ModelConfig
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM")
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output features split
+GQA = ("LlamaForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM")
+MLA = ("DeepseekV3ForCausalLM",)
+SUPPORTED = GQA + MLA
+# Output features split (every one lays its heads or columns out contiguously).
+COLUMN = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")  # input features split; outputs all-reduced
+EXPERTS = ("experts", "shared_experts")  # a module holding these is reduced once, after them
+WORDS = {
+    "num_attention_heads": "attention heads",
+    "num_key_value_heads": "KV heads",
+    "intermediate_size": "MLP columns",
+    "moe_intermediate_size": "expert MLP columns",
+}
 
 
 @dataclass(frozen=True)
@@ -34,6 +54,17 @@ class TPRank:
 NO_TP = TPRank(0, 1)
 
 
+def split_sizes(cfg: ModelConfig) -> dict[str, int]:
+    """The config.json fields of which each rank holds 1/N, with their full values."""
+    sizes = {"num_attention_heads": cfg.num_heads}
+    if cfg.architecture in GQA:
+        sizes["num_key_value_heads"] = cfg.num_kv_heads
+    sizes["intermediate_size"] = cfg.hf["intermediate_size"]
+    if cfg.architecture in MLA:
+        sizes["moe_intermediate_size"] = cfg.hf["moe_intermediate_size"]
+    return sizes
+
+
 def check(cfg: ModelConfig, size: int) -> None:
     """Raises ValueError when ``cfg`` cannot be split over ``size`` ranks, saying why."""
     if size == 1:
@@ -42,27 +73,28 @@ def check(cfg: ModelConfig, size: int) -> None:
         raise ValueError(
             f"tensor parallelism supports {', '.join(SUPPORTED)}; not {cfg.architecture}"
         )
-    heads, kv = cfg.num_heads, cfg.num_kv_heads
-    if heads % size or kv % size or cfg.hf["intermediate_size"] % size:
-        fits = [n for n in range(1, kv + 1) if heads % n == 0 and kv % n == 0]
+    sizes = split_sizes(cfg)
+    bad = [f"{n} {WORDS[key]}" for key, n in sizes.items() if n % size]
+    if bad:
+        fits = [
+            n for n in range(1, min(sizes.values()) + 1) if all(v % n == 0 for v in sizes.values())
+        ]
+        what = bad[0] if len(bad) == 1 else f"{', '.join(bad[:-1])} and {bad[-1]}"
         raise ValueError(
-            f"{heads} attention heads and {kv} KV heads do not divide over {size} ranks; "
+            f"{what} do not divide over {size} ranks; "
             f"--tensor-parallel-size can be {', '.join(map(str, fits))} for this model"
         )
 
 
 def shard_config(cfg: ModelConfig, tp: TPRank) -> ModelConfig:
-    """The config a rank builds: its share of the heads and of the MLP, same head size."""
+    """The config a rank builds: its share of the heads and of the MLPs, same head size (and,
+    for MLA, the same latent)."""
     if tp.size == 1:
         return cfg
     check(cfg, tp.size)
     hf = dict(cfg.hf)
-    hf.update(
-        head_dim=cfg.head_dim,
-        num_attention_heads=cfg.num_heads // tp.size,
-        num_key_value_heads=cfg.num_kv_heads // tp.size,
-        intermediate_size=cfg.hf["intermediate_size"] // tp.size,
-    )
+    hf["head_dim"] = cfg.head_dim
+    hf.update({key: n // tp.size for key, n in split_sizes(cfg).items()})
     return ModelConfig(cfg.path, MappingProxyType(hf))
 
 
@@ -81,13 +113,25 @@ def shard_weights(weights, tp: TPRank):
         yield name, tensor.contiguous()
 
 
+def reduced_modules(model: nn.Module) -> list[str]:
+    """The modules whose outputs are partial sums over the ranks: row-parallel projections
+    outside mixtures of experts, and each mixture of experts as a whole."""
+    names = []
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if any(p in EXPERTS for p in parts):
+            continue
+        if parts[-1] in ROW or any(hasattr(module, e) for e in EXPERTS):
+            names.append(name)
+    return names
+
+
 def all_reduce_row_outputs(model: nn.Module) -> None:
-    """Sum the row-parallel projections' partial outputs over the ranks."""
+    """Sum the partial outputs of ``reduced_modules`` over the ranks."""
 
     def reduce(module, inputs, output):
         dist.all_reduce(output)
         return output
 
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in ROW:
-            module.register_forward_hook(reduce)
+    for name in reduced_modules(model):
+        model.get_submodule(name).register_forward_hook(reduce)

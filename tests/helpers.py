@@ -152,6 +152,27 @@ def generate_with_logits(llm: LLM, prompts: list[list[int]], monkeypatch, max_to
     return [(o.outputs[0].token_ids, torch.stack(seen[o.request_id])) for o in outs]
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_healthy(proc, url: str, seconds: float) -> None:
+    """Polls ``url``/health until it answers 200; fails if the server process ``proc`` (a
+    Popen) exits first or ``seconds`` pass."""
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    while True:
+        assert proc.poll() is None, f"the server exited with {proc.returncode}"
+        assert time.monotonic() < deadline, "the server did not start"
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def serve_in_thread(app, **config) -> Iterator[str]:
     """Runs ``app`` on uvicorn (``config``: more uvicorn.Config settings) in a background thread

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +17,7 @@ import pytest
 import yaml
 
 from engine.args import EngineArgs
-from tests.helpers import random_prompt, serve_in_thread
+from tests.helpers import free_port, random_prompt, serve_in_thread
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 MISSING = [b for b in ("prometheus", "promtool") if shutil.which(b) is None]
@@ -38,12 +37,6 @@ def promtool(*args: str) -> None:
 def test_promtool_accepts_the_shipped_config_and_rules():
     promtool("check", "config", str(DEPLOY / "prometheus" / "prometheus.yml"))
     promtool("check", "rules", str(DEPLOY / "prometheus" / "rules.yml"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from tests.helpers import free_port, wait_until_healthy
 from tests.server.test_server_errors import assert_error
 
 DEADLINE_S = 2.0
@@ -35,12 +35,6 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(
     model_dir, stuck: bool = False, deadline: float = DEADLINE_S
 ) -> tuple[subprocess.Popen, str]:
@@ -52,14 +46,12 @@ def start(
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-c", code, *argv], stderr=subprocess.PIPE, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_S
-    while True:
-        assert proc.poll() is None, proc.stderr.read().decode()
-        assert time.monotonic() < deadline, "the server did not start"
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        time.sleep(0.2)
+    try:
+        wait_until_healthy(proc, url, START_S)
+    except AssertionError as e:
+        proc.kill()
+        raise AssertionError(f"{e}: {proc.communicate()[1].decode()}") from None
+    return proc, url
 
 
 def stream_in_thread(url: str, body: dict) -> tuple[threading.Thread, dict]:

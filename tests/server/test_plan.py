@@ -83,7 +83,26 @@ def test_a_tensor_parallel_plan_is_one_ranks_share_of_the_kv_heads(llama_dir, ca
     assert row.num_blocks == expected_row(per_token, 0.25, 16, 1024)[0]
     with pytest.raises(SystemExit):
         main(["--model", str(llama_dir), "--kv-cache-memory", "1", "--tensor-parallel-size", "3"])
-    assert "4 attention heads and 2 KV heads do not divide over 3" in capsys.readouterr().err
+    assert "4 attention heads, 2 KV heads and 128 MLP columns do not divide over 3" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_tensor_parallel_mla_plan_keeps_the_whole_latent_on_every_rank(deepseek_dir, capsys):
+    """MLA caches one latent row for all heads: splitting the heads leaves each rank all of it."""
+    per_token = (32 + 8) * 2 * 2  # (kv_lora_rank + rope) x bfloat16 x layers, as with one rank
+    argv = ["--model", str(deepseek_dir), "--kv-cache-memory", "0.25", "--max-model-len", "200"]
+    assert main([*argv, "--tensor-parallel-size", "2"]) == 0
+    assert "per rank of 2 (each holds the whole latent cache" in capsys.readouterr().out
+    (one,) = make_plan(str(deepseek_dir), 0.25, 200).rows
+    (row,) = make_plan(str(deepseek_dir), 0.25, 200, tensor_parallel_size=2).rows
+    assert row == one
+    assert row.bytes_per_token == per_token
+    with pytest.raises(SystemExit):
+        main([*argv, "--tensor-parallel-size", "3"])
+    err = capsys.readouterr().err
+    assert "4 attention heads and 32 expert MLP columns do not divide over 3 ranks" in err
+    assert "--tensor-parallel-size can be 1, 2, 4 for this model" in err
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
