@@ -3,6 +3,11 @@
     python -m bench.engine_speed [--model smollm2-135m-instruct] [--tokens 128] [--repeats 3]
 
 Both run in this process on the same weights, with the same thread count; medians are quoted.
+
+With ``--tensor-parallel-size 1 2`` it compares decode steps (ms/step, tok/s) across rank
+counts instead: one engine per count, side by side in this process, runs interleaved; one rank
+runs on ``--threads`` torch threads, N ranks on the machine's cores / N each (as the engine
+sets them). A model without a tokenizer gets random token-id prompts.
 """
 
 from __future__ import annotations
@@ -10,11 +15,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+import uuid
 
 import torch
 
 from engine import LLM, SamplingParams
 from engine.args import add_cli_args
+from engine.tp_workers import threads_per_rank
 
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -35,6 +42,70 @@ def bench_engine(llm: LLM, prompts: list[list[int]], tokens: int) -> float:
     elapsed = time.perf_counter() - start
     assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
     return len(prompts) * tokens / elapsed
+
+
+def decode_steps(llm: LLM, prompts: list[list[int]], tokens: int) -> list[float]:
+    """Seconds of each step once every prompt has its first token (decodes only)."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    ids = [f"decode-{uuid.uuid4().hex}" for _ in prompts]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
+    started: set[str] = set()
+    while len(started) < len(ids):
+        started.update(out.request_id for out in engine.step() if out.outputs[0].token_ids)
+    steps = []
+    while engine.has_unfinished:
+        start = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - start)
+    return steps
+
+
+def compare_tensor_parallel(args: argparse.Namespace) -> int:
+    """Decode ms/step and tok/s per rank count, the engines side by side, runs interleaved."""
+    sizes = args.tensor_parallel_size
+    llms = {
+        n: LLM(args.model, device=args.device, tensor_parallel_size=n, max_model_len=1024,
+               max_num_seqs=64, kv_cache_memory_gib=0.25, cpu_kernels=args.cpu_kernels)
+        for n in sizes
+    }  # fmt: skip
+    first = llms[sizes[0]]
+    g = torch.Generator().manual_seed(0)
+    vocab = first.engine.model_config.vocab_size
+    prompts = prompts_for(first) or [torch.randint(vocab, (24,), generator=g).tolist()] * 8
+    print(
+        f"model {first.engine.model_config.name}, device {first.engine.device}, "
+        f"{args.tokens} new tokens per request, median decode step of {args.repeats} runs"
+    )
+    threads = {n: args.threads if n == 1 else threads_per_rank(n) for n in sizes}
+    print(
+        f"{'concurrent':>10} {'ranks':>6} {'threads/rank':>13} {'ms/step':>9} "
+        f"{'decode tok/s':>13} {'vs first':>9}"
+    )
+    for c in args.concurrency:
+        batch = [prompts[i % len(prompts)] for i in range(c)]
+        steps: dict[int, list[float]] = {n: [] for n in sizes}
+        for _ in range(args.repeats):  # interleaved, so drifts in machine load hit all alike
+            for n in sizes:
+                torch.set_num_threads(threads[n])
+                steps[n] += decode_steps(llms[n], batch, args.tokens)
+        base = statistics.median(steps[sizes[0]])
+        for n in sizes:
+            ms = statistics.median(steps[n])
+            print(
+                f"{c:>10} {n:>6} {threads[n]:>13} {ms * 1e3:>9.2f} {c / ms:>13.1f} "
+                f"{base / ms:>9.2f}"
+            )
+    for llm in llms.values():
+        llm.engine.shutdown()
+    return 0
+
+
+def prompts_for(llm: LLM) -> list[list[int]]:
+    """The chat prompts in the model's template; none without a tokenizer."""
+    tok = llm.tokenizer
+    return [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS] if tok else []
 
 
 def bench_transformers(model, prompts: list[list[int]], tokens: int, pad_id: int) -> float:
@@ -58,18 +129,29 @@ def bench_transformers(model, prompts: list[list[int]], tokens: int, pad_id: int
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_cli_args(parser, ("model", "device"), {"model": "smollm2-135m-instruct"}, required=())
+    add_cli_args(
+        parser, ("model", "device", "cpu_kernels"), {"model": "smollm2-135m-instruct"}, required=()
+    )
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, nargs="+", metavar="N",
+        help="compare decode steps at these rank counts instead (no transformers run)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.tensor_parallel_size:
+        return compare_tensor_parallel(args)
 
-    llm = LLM(args.model, device=args.device, max_model_len=1024, max_num_seqs=64)
+    llm = LLM(
+        args.model, device=args.device, max_model_len=1024, max_num_seqs=64,
+        cpu_kernels=args.cpu_kernels,
+    )  # fmt: skip
     tok = llm.tokenizer
-    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    prompts = prompts_for(llm)
     hf = None
     if not args.no_transformers:
         from transformers import AutoModelForCausalLM
