@@ -55,7 +55,7 @@ TEXTS = {
     "alice": (
         "https://files.pythonhosted.org/packages/6f/04/a3d3c4b94a35586ddb97c6a3c508913159161cd5"
         "58b34f315b382b924bf7/wordcloud-1.9.6.tar.gz",
-        None,
+        "df17c468ff903bd0aba4f87c6540745d13a4931220dd4937cb363ad85a4771b9",
         "wordcloud-1.9.6/examples/alice.txt",
     ),
 }
@@ -113,7 +113,7 @@ def score_requests(
     return requests
 
 
-def logprobs_of(outputs: Sequence[RequestOutput]) -> list[float]:
+def scored_logprobs(outputs: Sequence[RequestOutput]) -> list[float]:
     """The logprobs a policy's requests assigned, in text order (prompt ones first)."""
     values = []
     for out in outputs:
@@ -183,14 +183,15 @@ def score(
     )
 
     def progress(delta: RequestOutput) -> None:
-        bar.update(len(delta.outputs[0].token_ids) + len(delta.prompt_logprobs or [1]) - 1)
+        prompt = len(delta.prompt_logprobs) - 1 if delta.prompt_logprobs else 0
+        bar.update(len(delta.outputs[0].token_ids) + prompt)
 
     results = {}
     if flat:
         llm = engine_for(base, limit, min(len(flat), base.max_num_seqs))
         outputs = iter(llm.generate([p for p, _ in flat], [s for _, s in flat], progress))
         for policy, reqs in zip(bounded, requests):
-            scored = logprobs_of([next(outputs) for _ in reqs])
+            scored = scored_logprobs([next(outputs) for _ in reqs])
             results[policy] = QualityResult(policy, scored, limit)
         del llm
     if len(bounded) < len(policies):
@@ -219,7 +220,7 @@ def load_text(name_or_path: str, home: Path | None = None) -> str:
         url, sha256, member = TEXTS[name_or_path]
         with urllib.request.urlopen(url, timeout=120) as response:
             data = response.read()
-        if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        if hashlib.sha256(data).hexdigest() != sha256:
             raise RuntimeError(f"{url}: unexpected contents")
         with tarfile.open(fileobj=io.BytesIO(data)) as tar:
             raw = tar.extractfile(member).read().decode("utf-8-sig")

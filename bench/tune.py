@@ -916,6 +916,13 @@ def plan_from_args(args: argparse.Namespace) -> TunePlan:
     return TunePlan(sweeps, base, workload, objective, points)
 
 
+def quiet_logs(verbose: bool) -> None:
+    """The engine logs its layout at every start and httpx every request: per point, noise."""
+    if not verbose:
+        for name in ("kvserve", "httpx"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def main(argv: list[str]) -> int:
     """``kvserve tune``: 0 when some point completed requests, 1 when none did, 2 on bad usage."""
     if "--list-settings" in argv:
@@ -929,10 +936,7 @@ def main(argv: list[str]) -> int:
     except (ValueError, BenchError) as e:
         print(f"kvserve tune: {e}", file=sys.stderr)
         return 2
-    if not args.verbose:
-        # The engine logs its layout at every start and httpx every request: per point, noise.
-        for name in ("kvserve", "httpx"):
-            logging.getLogger(name).setLevel(logging.WARNING)
+    quiet_logs(args.verbose)
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -958,9 +962,7 @@ def quality_main(args: argparse.Namespace) -> int:
     if not args.text or not args.max_model_len:
         print("kvserve tune: --objective quality needs --text and --max-model-len", file=sys.stderr)
         return 2
-    if not args.verbose:
-        for name in ("kvserve", "httpx"):
-            logging.getLogger(name).setLevel(logging.WARNING)
+    quiet_logs(args.verbose)
     base = from_cli_args(args)
     tokenizer = Tokenizer.from_dir(resolve_model(base.model))
     tokens = tokenizer.encode(quality.load_text(args.text))
@@ -992,7 +994,7 @@ def quality_main(args: argparse.Namespace) -> int:
         result = None
         if overflow.policy in ("truncate", "shift", "sink"):
             policy = quality.Policy(format_settings(p.settings), overflow)
-            lim = p.engine_args.max_model_len or limit
+            lim = p.engine_args.max_model_len
             result = quality.score(p.engine_args, tokens, [policy], lim, args.chunk, True)[0]
         rows.append((p, result))
     table = combined_table(rows, full)

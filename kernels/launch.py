@@ -8,6 +8,7 @@ target GPU without one, from the same code path.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,3 +24,9 @@ class Launch:
 
     def __call__(self) -> None:
         self.kernel[self.grid](*self.args, **self.params)
+
+
+def run(launches: Iterable[Launch]) -> None:
+    """Launch each, in order."""
+    for launch in launches:
+        launch()

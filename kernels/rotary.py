@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.launch import Launch
+from kernels.launch import Launch, run
 
 try:
     import triton
@@ -141,5 +141,4 @@ def rotate_triton(
     cache: torch.Tensor, blocks: torch.Tensor, delta: int, layout: RopeLayout
 ) -> None:
     """As ``rotate_reference``, on the GPU."""
-    for launch in rotate_launches(cache, blocks, delta, layout):
-        launch()
+    run(rotate_launches(cache, blocks, delta, layout))

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import Launch
+from kernels.launch import Launch, run
 
 _LOG2E = 1.4426950408889634
 
@@ -600,8 +600,7 @@ def write_cache_launches(
 
 def write_cache(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter ``rows`` ([T, H, D]) into ``cache`` ([N, bs, H, D]); slot -1 is skipped."""
-    for launch in write_cache_launches(cache, rows, slot_mapping):
-        launch()
+    run(write_cache_launches(cache, rows, slot_mapping))
 
 
 @dataclass(frozen=True)
@@ -720,8 +719,7 @@ def decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, scale, window,
         num_splits=num_splits, tile=tile,
     )  # fmt: skip
-    for launch in launches:
-        launch()
+    run(launches)
     return out
 
 
@@ -795,6 +793,5 @@ def prefill_attention(
         q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, scale, window,
         tile=tile,
     )  # fmt: skip
-    for launch in launches:
-        launch()
+    run(launches)
     return out
