@@ -61,8 +61,12 @@ class EngineArgs:
     )  # fmt: skip
     kv_cache_memory_gib: float | None = setting(
         None, "KV cache size in GiB", flag="--kv-cache-memory", metavar="GIB",
-        exclusive="kv_size", when_none="1 GiB on CPU, 90%% of free memory on CUDA",
+        exclusive="kv_size", when_none="1 GiB on CPU; on CUDA what --gpu-memory-utilization "
+        "leaves after the weights and a profiled largest step",
     )  # fmt: skip
+    gpu_memory_utilization: float = setting(
+        0.9, "share of the GPU's memory for weights, activations and the KV cache (CUDA)"
+    )
     max_model_len: int | None = setting(
         None, "context limit in tokens", when_none="the model's trained context"
     )
@@ -135,6 +139,7 @@ class EngineArgs:
             (_power_of_two(self.block_size), "block_size"),
             (self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks"),
             (self.kv_cache_memory_gib is None or self.kv_cache_memory_gib > 0, "kv_cache_memory"),
+            (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization"),
             (self.max_model_len is None or self.max_model_len > 0, "max_model_len"),
             (self.max_num_seqs > 0, "max_num_seqs"),
             (self.tensor_parallel_size > 0, "tensor_parallel_size"),

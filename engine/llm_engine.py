@@ -21,6 +21,7 @@ from engine.context_overflow import (
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import QueueFullError, RequestError
 from engine.kv_manager import KVCacheManager
+from engine.memory import MemoryProfile
 from engine.metrics import EngineMetrics
 from engine.model_runner import build_runner, resolve_device
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
@@ -135,10 +136,22 @@ class LLMEngine:
     def _kv_memory_bytes(self) -> int:
         if self.args.kv_cache_memory_gib is not None:
             return int(self.args.kv_cache_memory_gib * GIB)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * 0.9)
-        return GIB
+        if self.device.type != "cuda":
+            return GIB
+        args, device = self.args, self.device
+        weights = torch.cuda.memory_allocated(device)
+        if self.workers is None:
+            activations = self.runner.profile_run(
+                args.max_num_batched_tokens, args.max_num_seqs, self.max_model_len, args.block_size
+            )
+        else:  # the dummy step's all-reduces would wait for ranks that are not stepping
+            activations = 0
+            log.warning("tensor parallel: activation memory not profiled, set --kv-cache-memory")
+        free, total = torch.cuda.mem_get_info(device)
+        other = total - free - torch.cuda.memory_reserved(device)
+        profile = MemoryProfile(total, weights, activations, other, args.gpu_memory_utilization)
+        log.info(profile.describe())
+        return profile.check(args.max_num_batched_tokens)
 
     # -- requests -----------------------------------------------------------------------------
 

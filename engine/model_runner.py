@@ -7,9 +7,11 @@ import torch
 from engine.args import EngineArgs
 from engine.config import CacheConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.memory import dummy_lengths
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, logprobs_of
-from engine.scheduler import CacheShift, SchedulerOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import CacheShift, ScheduledRequest, SchedulerOutput
 from engine.structured import Grammars
 from kernels import cpu
 from kernels.backend import AttentionBackend, get_backend
@@ -98,6 +100,40 @@ class ModelRunner:
             self.cache_config.block_size, max_model_len, max_num_seqs, self.device,
         )  # fmt: skip
         self.graphs.capture()
+
+    def profile_run(
+        self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int
+    ) -> int:
+        """Runs the largest step the scheduler can make (prompts of ``dummy_lengths``, every
+        one sampled, the first with logprobs and prompt logprobs) on a pool of its own, freed
+        after. Returns the bytes torch allocated at the step's peak beyond what it held before
+        the step (on CUDA; 0 elsewhere, where nothing measures it)."""
+        lengths = dummy_lengths(max_num_batched_tokens, max_num_seqs, max_model_len)
+        need = [[g.spec.num_blocks(n, block_size) for n in lengths] for g in self.groups]
+        self.allocate_kv_cache(CacheConfig(self.groups, block_size, tuple(map(sum, need))))
+        first = [0] * len(self.groups)
+        scheduled = []
+        for i, n in enumerate(lengths):
+            tables = []
+            for gi, counts in enumerate(need):
+                tables.append(list(range(first[gi], first[gi] + counts[i])))
+                first[gi] += counts[i]
+            logprobs = dict(logprobs=1, prompt_logprobs=1) if i == 0 else {}
+            params = SamplingParams(max_tokens=1, temperature=0.0, **logprobs)
+            prompt = [0] * n
+            scheduled.append(ScheduledRequest(f"profile-{i}", prompt, 0, tables, True, params,
+                                              prompt, []))  # fmt: skip
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.execute(SchedulerOutput(scheduled, num_decodes=0))
+        peak = torch.cuda.max_memory_allocated(self.device) - before if cuda else 0
+        self.kv_caches, self.cache_config = [], None
+        if cuda:
+            torch.cuda.empty_cache()
+        return peak
 
     def allocate_kv_cache(self, config: CacheConfig) -> None:
         """The device pools, and the host swap pool (pinned when the device is a GPU)."""
