@@ -12,6 +12,7 @@ from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, logprobs_of
 from engine.sampling_params import SamplingParams
 from engine.scheduler import CacheShift, ScheduledRequest, SchedulerOutput
+from engine.step_inputs import step_arrays, to_device
 from engine.structured import Grammars
 from kernels import cpu
 from kernels.backend import AttentionBackend, get_backend
@@ -180,64 +181,36 @@ class ModelRunner:
         for group, pairs in zip(self.groups, out.swap_in):
             copy_blocks(self.backend, group, pairs, self.host_caches, self.kv_caches)
 
-    def _metadata(self, out: SchedulerOutput, cu: torch.Tensor) -> list[AttentionMetadata]:
+    def _forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        """The step run eagerly: hidden states of all new tokens, and the rows to sample."""
         bs = self.cache_config.block_size
-        seq_lens = [s.start_pos + len(s.token_ids) for s in out.scheduled]
-        prefix_lens = [s.start_pos for s in out.scheduled]
+        step = step_arrays(out.scheduled, self.groups, bs)
+        flat = [step.input_ids, step.positions, step.cu_seqlens_q, step.prefix_lens]
+        for g in step.groups:
+            flat += [g.block_tables, g.slot_mapping, g.seq_lens]
+        ids, positions, cu, prefix_lens, *per_group = to_device(flat, self.device)
+        nd = out.num_decodes
         metas = []
-        for gi, group in enumerate(self.groups):
+        for group, (tables, slots, lens) in zip(self.groups, zip(*[iter(per_group)] * 3)):
             window = group.spec.window
-            tables = [s.block_tables[gi] for s in out.scheduled]
-            width = group.spec.table_width(0, bs) if window else max(len(t) for t in tables)
-            table_t = torch.zeros(len(tables), width, dtype=torch.int32)
-            slots = []
-            for i, (s, table) in enumerate(zip(out.scheduled, tables)):
-                table_t[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-                pos = torch.arange(s.start_pos, seq_lens[i])
-                logical = pos // bs
-                if window:
-                    logical = logical % width
-                slot = table_t[i, logical].long() * bs + pos % bs
-                if window:
-                    # Within one chunk the ring wraps: only the last width*bs tokens survive.
-                    slot[pos < seq_lens[i] - width * bs] = -1
-                slots.append(slot)
-            tables_d = table_t.to(self.device)
-            lens_d = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
-            nd = out.num_decodes
             # One plan for the step's decodes, shared by every layer of the group.
-            plan = self.backend.plan_decode(tables_d[:nd], lens_d[:nd], bs, window) if nd else None
+            plan = self.backend.plan_decode(tables[:nd], lens[:nd], bs, window) if nd else None
             metas.append(
                 AttentionMetadata(
-                    slot_mapping=torch.cat(slots).to(self.device),
-                    block_tables=tables_d,
-                    seq_lens=lens_d,
-                    prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32, device=self.device),
+                    slot_mapping=slots,
+                    block_tables=tables,
+                    seq_lens=lens,
+                    prefix_lens=prefix_lens,
                     cu_seqlens_q=cu,
                     num_decodes=nd,
                     window=window,
                     decode_plan=plan,
                 )
             )
-        return metas
-
-    def _forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
-        """The step run eagerly: hidden states of all new tokens, and the rows to sample."""
-        sched = out.scheduled
-        lens = [len(s.token_ids) for s in sched]
-        cu_list = [0]
-        for n in lens:
-            cu_list.append(cu_list[-1] + n)
-        cu = torch.tensor(cu_list, dtype=torch.int32, device=self.device)
-        input_ids = torch.tensor([t for s in sched for t in s.token_ids], device=self.device)
-        positions = torch.cat(
-            [torch.arange(s.start_pos, s.start_pos + len(s.token_ids)) for s in sched]
-        )
-        ctx = ForwardContext(
-            self.backend, self._metadata(out, cu), self.kv_caches, self.layer_to_group
-        )
-        hidden = self.model(input_ids, positions.to(self.device), ctx)
-        return hidden, [cu_list[i + 1] - 1 for i, s in enumerate(sched) if s.sample]
+        ctx = ForwardContext(self.backend, metas, self.kv_caches, self.layer_to_group)
+        hidden = self.model(ids, positions, ctx)
+        rows = step.sample_rows[[s.sample for s in out.scheduled]]
+        return hidden, rows.tolist()
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, sample: bool = True) -> tuple[Sampled, PromptLogprobs]:
