@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.step_inputs import StepArrays
 from kernels.backend import AttentionBackend
 from kernels.paged import AttentionMetadata, ForwardContext
 from models.interface import CausalLM
@@ -121,24 +122,17 @@ class DecodeGraphs:
         return all(len(t[g]) <= w for t in tables for g, w in enumerate(self.widths))
 
     @torch.inference_mode()
-    def run(
-        self, token_ids: list[int], positions: list[int], tables: list[list[list[int]]]
-    ) -> torch.Tensor:
+    def run(self, step: StepArrays) -> torch.Tensor:
         """One decode step -> hidden states [n, hidden] (a view of the graph's output)."""
-        n = len(token_ids)
+        n = len(step.input_ids)
         batch = next(b for b in self.sizes if b >= n)
-        self.ids_host.numpy()[:n] = token_ids
-        self.pos_host.numpy()[:n] = positions
-        bs = self.block_size
-        for g, (group, buf) in enumerate(zip(self.groups, self.buffers)):
+        self.ids_host.numpy()[:n] = step.input_ids
+        self.pos_host.numpy()[:n] = step.positions
+        for arrays, buf in zip(step.groups, self.buffers):
             slots, lens, rows = (buf.host[k].numpy() for k in ("slots", "seq_lens", "tables"))
-            ring = self.widths[g] if group.spec.window else 0
-            for i, (pos, table) in enumerate(zip(positions, tables)):
-                row = table[g]
-                rows[i, : len(row)] = row
-                logical = pos // bs % ring if ring else pos // bs
-                slots[i] = row[logical] * bs + pos % bs
-            lens[:n] = [p + 1 for p in positions]
+            width = arrays.block_tables.shape[1]
+            rows[:n, :width] = arrays.block_tables
+            slots[:n], lens[:n] = arrays.slot_mapping, arrays.seq_lens
             slots[n:batch], lens[n:batch] = -1, 1
             buf.upload()
         self.ids.copy_(self.ids_host, non_blocking=True)

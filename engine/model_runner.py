@@ -232,8 +232,7 @@ class ModelRunner:
         masks = self.sampler.start_masks([s.request_id for s in chosen], [s.params for s in chosen])
         tables = [s.block_tables for s in sched]
         if self.graphs and out.num_decodes == len(sched) and self.graphs.fits(len(sched), tables):
-            ids = [s.token_ids[0] for s in sched]
-            hidden = self.graphs.run(ids, [s.start_pos for s in sched], tables)
+            hidden = self.graphs.run(step_arrays(sched, self.groups, self.cache_config.block_size))
             rows = [i for i, s in enumerate(sched) if s.sample]
         else:
             hidden, rows = self._forward(out)

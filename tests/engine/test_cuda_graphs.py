@@ -67,9 +67,12 @@ def test_graphs_give_the_greedy_tokens_of_eager_steps(tmp_path, monkeypatch, arc
         assert (llm.engine.runner.graphs is None) == eager
         if not eager:
             graphs = llm.engine.runner.graphs
-            monkeypatch.setattr(
-                graphs, "run", lambda *a, run=graphs.run: replays.append(len(a[0])) or run(*a)
-            )
+
+            def counted(step, run=graphs.run):
+                replays.append(len(step.input_ids))
+                return run(step)
+
+            monkeypatch.setattr(graphs, "run", counted)
         runs.append(generate_with_logits(llm, prompts, monkeypatch, max_tokens=40))
     # Replays happened, some of them padded to a larger captured batch.
     assert any(n not in batch_sizes(8) for n in replays)
