@@ -18,7 +18,7 @@ import torch
 
 from kernels import reference
 from kernels.launch import Launch
-from kernels.rotary import RopeLayout, rotate_reference
+from kernels.rotary import RopeLayout, delta_cos_sin, rotate_reference
 
 
 class AttentionBackend(ABC):
@@ -128,6 +128,13 @@ class CpuBackend(TorchBackend):
 
     def plan_decode(self, block_tables, seq_lens, block_size, window):
         return None
+
+    def rotate_keys(self, cache, blocks, delta, layout):
+        if not self._cpu.usable(cache) or cache.stride(-1) != 1:
+            return super().rotate_keys(cache, blocks, delta, layout)
+        if blocks.numel() and delta:
+            cos, sin = delta_cos_sin(layout, delta)
+            self._cpu.rotate_keys(cache, blocks, cos, sin, layout.start, layout.interleaved)
 
     def decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, window, plan=None):
         if self._cpu.usable(k_cache):

@@ -88,6 +88,11 @@ def write_cache(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) ->
     _ops().write_cache(cache, rows, slots)
 
 
+def rotate_keys(cache: torch.Tensor, blocks: torch.Tensor, cos, sin, start: int, interleaved):
+    """As ``rotary.rotate_reference``, given the delta's cos and sin per rotary pair."""
+    _ops().rotate_keys(cache, blocks, cos, sin, start, interleaved)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
     return _ops().rms_norm(x, weight, eps, offset)
 

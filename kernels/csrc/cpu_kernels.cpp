@@ -330,6 +330,43 @@ void write_cache(at::Tensor cache, const at::Tensor& rows, const at::Tensor& slo
   }
 }
 
+// Rotate the rotary values of every row of the cache's `blocks` [n] in place, each pair by
+// the angle whose cos and sin [half] are given: cache [N, bs, H, D], pair p at
+// (start + p, start + half + p), or at (start + 2p, start + 2p + 1) when interleaved.
+void rotate_keys(at::Tensor cache, const at::Tensor& blocks, const at::Tensor& cos,
+                 const at::Tensor& sin, int64_t start, bool interleaved) {
+  check_f32(cache, "cache");
+  TORCH_CHECK(cache.dim() == 4 && cache.stride(3) == 1, "cache rows must be dense");
+  auto b = blocks.to(at::kLong).contiguous();
+  auto c = cos.to(at::kFloat).contiguous();
+  auto s = sin.to(at::kFloat).contiguous();
+  const int64_t half = c.numel(), N = cache.size(0), bs = cache.size(1), H = cache.size(2);
+  TORCH_CHECK(s.numel() == half && start + 2 * half <= cache.size(3),
+              "the rotary pairs do not fit the cache's rows");
+  const int64_t* bp = b.data_ptr<int64_t>();
+  for (int64_t i = 0; i < b.numel(); ++i) {
+    TORCH_CHECK(0 <= bp[i] && bp[i] < N, "block ", bp[i], " is outside the cache");
+  }
+  float* cp = cache.data_ptr<float>();
+  const float* cs = c.data_ptr<float>();
+  const float* sn = s.data_ptr<float>();
+  const int64_t s0 = cache.stride(0), s1 = cache.stride(1), s2 = cache.stride(2);
+  const int64_t step = interleaved ? 2 : 1, other = interleaved ? 1 : half;
+  at::parallel_for(0, b.numel() * bs, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* row = cp + bp[r / bs] * s0 + (r % bs) * s1 + start;
+      for (int64_t h = 0; h < H; ++h) {
+        float* x = row + h * s2;
+        for (int64_t p = 0; p < half; ++p) {
+          const float x1 = x[p * step], x2 = x[p * step + other];
+          x[p * step] = x1 * cs[p] - x2 * sn[p];
+          x[p * step + other] = x2 * cs[p] + x1 * sn[p];
+        }
+      }
+    }
+  });
+}
+
 // RMSNorm over the last dimension: x * rsqrt(mean(x^2) + eps) * (w + offset).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, double offset) {
   check_f32(x, "x");
@@ -463,6 +500,9 @@ TORCH_LIBRARY(kvserve_cpu, m) {
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale, int window) -> Tensor");
   m.def("write_cache(Tensor(a!) cache, Tensor rows, Tensor slots) -> ()");
+  m.def(
+      "rotate_keys(Tensor(a!) cache, Tensor blocks, Tensor cos, Tensor sin, int start, "
+      "bool interleaved) -> ()");
   m.def("rms_norm(Tensor x, Tensor w, float eps, float offset) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("gated_act(Tensor h, int act) -> Tensor");
@@ -479,6 +519,7 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("linear", &linear);
   m.impl("decode_attention", &decode_attention);
   m.impl("write_cache", &write_cache);
+  m.impl("rotate_keys", &rotate_keys);
   m.impl("rms_norm", &rms_norm);
   m.impl("rope", &rope);
   m.impl("gated_act", &gated_act);

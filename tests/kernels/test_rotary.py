@@ -16,7 +16,7 @@ from engine.kv_manager import KVCacheManager
 from engine.model_runner import rotate_shifted_keys
 from engine.scheduler import CacheShift
 from kernels import reference, rotary
-from kernels.backend import TorchBackend
+from kernels.backend import CpuBackend, TorchBackend
 from kernels.rotary import RopeLayout, rotate_reference
 from models.kv_spec import FullAttentionSpec, KVCacheGroup, MLASpec, SlidingWindowSpec
 from models.layers import rope_inv_freq
@@ -92,6 +92,24 @@ def test_triton_rotation_matches_the_reference(name, dtype):
     torch.testing.assert_close(cache.float(), expected.float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_cpu_rotation_matches_the_reference(name):
+    from kernels import cpu
+
+    why = cpu.load()
+    if why is not None:
+        pytest.skip(f"CPU kernels: {why}")
+    heads, dim, layout = LAYOUTS[name]
+    cache, _, _ = filled_cache(heads, dim, layout)
+    expected = cache.clone()
+    blocks = torch.tensor([5, 0, 3])
+    CpuBackend().rotate_keys(cache, blocks, -1037, layout)
+    rotate_reference(expected, blocks, -1037, layout)
+    torch.testing.assert_close(cache, expected, **TOL[torch.float32])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        CpuBackend().rotate_keys(cache, torch.tensor([6]), 3, layout)
+
+
 # ---- a whole shift: KV manager table edits, then the rotation, read back by position ----
 
 
@@ -116,7 +134,13 @@ def _group_cache(group: KVCacheGroup, num_blocks: int, bs: int):
     ],
     ids=["full", "mla", "ring+full"],
 )
-def test_after_a_shift_kept_keys_equal_keys_roped_at_their_new_positions(groups):
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_after_a_shift_kept_keys_equal_keys_roped_at_their_new_positions(groups, backend):
+    if backend == "cpu":
+        from kernels import cpu
+
+        if cpu.load() is not None:
+            pytest.skip(f"CPU kernels: {cpu.load()}")
     bs, n, keep = 4, 39, 8
     layouts = [
         RopeLayout(rope_inv_freq(16, 10000.0), start=32, interleaved=True)
@@ -147,7 +171,8 @@ def test_after_a_shift_kept_keys_equal_keys_roped_at_their_new_positions(groups)
     count = kv.max_discard(tables, n, keep)
     assert count >= bs
     moved, _ = kv.drop(tables, n, keep, count)
-    rotate_shifted_keys(TorchBackend(), kv_caches, groups, key_rope, CacheShift("r", -count, moved))
+    backend = CpuBackend() if backend == "cpu" else TorchBackend()
+    rotate_shifted_keys(backend, kv_caches, groups, key_rope, CacheShift("r", -count, moved))
 
     # Old position p >= keep + count is now p - count; the kept ones stay.
     new_len = n - count
