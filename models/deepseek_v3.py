@@ -11,6 +11,11 @@ directly, for prefill and decode alike, by absorbing ``kv_b_proj`` into the two 
 so the query is ``[W_UK^T q_nope, q_pe]`` (one KV head: MQA over latents), the value is the
 first kv_lora_rank columns of the same cache row, and W_UV is applied after attention.
 
+The routed experts are held stacked (``Experts``). A decode batch gathers each token's chosen
+experts' weights and applies them by batched matmuls: no host sync and no shape that depends
+on the routing, so decode steps can be captured in CUDA graphs. Larger token counts (prefill)
+sort the tokens by expert and run each chosen expert once.
+
 Under tensor parallelism (``models.tensor_parallel``) a rank builds this model with 1/N of the
 heads (its rows of ``q_b_proj`` and ``kv_b_proj``, its columns of ``o_proj``) and of each MLP's
 and expert's columns; the latent row is computed and cached whole on every rank.
@@ -29,7 +34,7 @@ from kernels.paged import ForwardContext
 from kernels.rotary import RopeLayout
 from models.config import ModelConfig
 from models.kv_spec import KVCacheGroup, MLASpec
-from models.layers import GatedMLP, RMSNorm
+from models.layers import ACTIVATIONS, GatedMLP, RMSNorm
 from models.loader import load_by_name
 
 # transformers builds q_a_layernorm / kv_a_layernorm with the default eps, not rms_norm_eps.
@@ -192,6 +197,102 @@ class TopkRouter(nn.Module):
         return weights * self.routed_scaling_factor, ids
 
 
+# Token counts up to this run the routed experts on the gathered path, which makes no host
+# sync and whose shapes depend only on the token count: it covers every decode batch the engine
+# captures in a CUDA graph (engine.cuda_graphs.BATCH_SIZES, up to 256). Larger counts (prefill)
+# take the grouped path, which reads each chosen expert's weights once.
+GATHER_MAX_TOKENS = 256
+# Expert weights the gathered path copies at once, in bytes: it runs over chunks of tokens, so
+# that a large batch of a large model never holds T * top_k copies of an expert's weights.
+GATHER_CHUNK_BYTES = 1 << 28
+
+
+class Experts(nn.Module):
+    """The routed experts' gated MLPs, stacked as transformers holds them: ``gate_up_proj``
+    [E, 2 * inter, hidden] (each expert's gate rows, then its up rows) and ``down_proj``
+    [E, hidden, inter]. Checkpoints name them per expert (``experts.E.gate_proj.weight``);
+    ``expert_piece`` places those.
+
+    Both paths give, per token, ``sum_k weights[k] * expert_{ids[k]}(x)``, the products summed
+    in fp32 over the slots. Under tensor parallelism ``inter`` is the rank's share, and the
+    sum is a partial one (the MoE module's output is all-reduced)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, activation: str):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unsupported MLP activation {activation!r}")
+        self.num_experts, self.inter = num_experts, inter
+        self.act = ACTIVATIONS[activation]
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden], fp32 weights [T, top_k], expert ids [T, top_k] -> [T, hidden]."""
+        if x.shape[0] <= GATHER_MAX_TOKENS:
+            y = self.gathered(x, ids)
+        else:
+            y = self.grouped(x, ids)
+        return (y.float() * weights[..., None]).sum(dim=1).to(x.dtype)
+
+    def gathered(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each (token, slot)'s expert output [T, top_k, hidden], from the chosen experts'
+        weights gathered per (token, slot) and batched matmuls, as gpt-fast does for decode:
+        no host sync, no shape that depends on the routing."""
+        top_k = ids.shape[1]
+        pair_bytes = self.gate_up_proj[0].numel() * self.gate_up_proj.element_size()
+        chunk = max(1, GATHER_CHUNK_BYTES // (top_k * pair_bytes))
+        outs = []
+        for start in range(0, x.shape[0], chunk):
+            xs, chosen = x[start : start + chunk], ids[start : start + chunk]
+            t = xs.shape[0]
+            # [t, top_k * 2 * inter, hidden] @ [t, hidden, 1]: one matrix-vector product per token.
+            w13 = self.gate_up_proj[chosen].flatten(1, 2)
+            gate, up = torch.bmm(w13, xs[:, :, None]).view(t, top_k, -1).split(self.inter, -1)
+            h = (self.act(gate) * up).reshape(t * top_k, self.inter, 1)
+            # [t * top_k, hidden, inter] @ [t * top_k, inter, 1]: one per (token, slot).
+            w2 = self.down_proj[chosen].flatten(0, 1)
+            outs.append(torch.bmm(w2, h).view(t, top_k, -1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def grouped(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The same [T, top_k, hidden], with the (token, slot) pairs sorted by expert and each
+        chosen expert run once on its rows. Reads the per-expert counts on the host (a sync, and
+        shapes that depend on the routing): for prefill, not captured."""
+        t, top_k = ids.shape
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rows = x[order // top_k]
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                part = rows[start : start + n]
+                gate, up = F.linear(part, self.gate_up_proj[e]).split(self.inter, dim=-1)
+                outs.append(F.linear(self.act(gate) * up, self.down_proj[e]))
+            start += n
+        y = torch.empty(t * top_k, x.shape[1], dtype=x.dtype, device=x.device)
+        y[order] = torch.cat(outs)
+        return y.view(t, top_k, -1)
+
+
+_EXPERT_RE = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def expert_piece(name: str, num_experts: int, inter: int) -> tuple[str, tuple] | None:
+    """Where a checkpoint's per-expert weight goes in the stacked ``Experts`` parameters:
+    (parameter name, index), or None for a name that is not one."""
+    m = _EXPERT_RE.fullmatch(name)
+    if m is None:
+        return None
+    prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+    if e >= num_experts:
+        raise ValueError(f"checkpoint tensor {name!r}: there are {num_experts} experts")
+    if proj == "down":
+        return f"{prefix}.down_proj", (e,)
+    rows = slice(0, inter) if proj == "gate" else slice(inter, 2 * inter)
+    return f"{prefix}.gate_up_proj", (e, rows)
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -199,17 +300,13 @@ class MoE(nn.Module):
         h, inter = cfg.hidden_size, hf["moe_intermediate_size"]
         act = cfg.get("hidden_act") or "silu"
         self.gate = TopkRouter(cfg)
-        self.experts = nn.ModuleList(GatedMLP(h, inter, act) for _ in range(hf["n_routed_experts"]))
+        self.experts = Experts(hf["n_routed_experts"], h, inter, act)
         shared = hf.get("n_shared_experts") or 0
         self.shared_experts = GatedMLP(h, inter * shared, act) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = torch.zeros_like(x)
-        for e in ids.unique().tolist():
-            token, slot = torch.where(ids == e)
-            y = self.experts[e](x[token]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(x.dtype))
+        out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
@@ -249,8 +346,9 @@ def _check_supported(cfg: ModelConfig) -> None:
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    # The MoE routes on the host (ids.unique().tolist()): not capturable.
-    cuda_graphs = False
+    # Decode batches (up to GATHER_MAX_TOKENS tokens) route on the device; MLA attention goes
+    # through the cache like any other. Prefill's grouped MoE syncs, but it is not captured.
+    cuda_graphs = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -299,4 +397,6 @@ class DeepseekV3ForCausalLM(nn.Module):
                     continue
                 yield name, tensor
 
-        load_by_name(self, kept())
+        hf = self.config.hf
+        experts, inter = hf["n_routed_experts"], hf["moe_intermediate_size"]
+        load_by_name(self, kept(), lambda name: expert_piece(name, experts, inter))

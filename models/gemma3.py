@@ -139,7 +139,12 @@ class Gemma3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.get("tie_word_embeddings", True):
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.embed_scale = math.sqrt(cfg.hidden_size)
+        # sqrt(hidden) rounded through fp32 to the dtype the model is built in (load_model builds
+        # it in the model dtype), as the reference does (bf16: sqrt(640) -> 25.25): a Python
+        # float, so that the forward multiplies by a host scalar and builds no tensor.
+        dtype = self.model.embed_tokens.weight.dtype
+        scale = torch.tensor(math.sqrt(cfg.hidden_size), dtype=torch.float32, device="cpu")
+        self.embed_scale = scale.to(dtype).item()
         self.final_softcap = cfg.get("final_logit_softcapping")
         rope = rope_parameters(cfg)
         for kind in (FULL, SLIDING):
@@ -176,9 +181,7 @@ class Gemma3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
         x = self.model.embed_tokens(input_ids)
-        # Rounded through fp32 to the model dtype, as the reference does (bf16: sqrt(640) -> 25.25);
-        # a host scalar, so that the forward builds no device tensor (CUDA graphs).
-        x = x * torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype).item()
+        x = x * self.embed_scale
         rope = {
             kind: rope_cos_sin(positions, getattr(self, f"{kind}_inv_freq"), x.dtype)
             for kind in (FULL, SLIDING)

@@ -59,23 +59,41 @@ def load_model(
     return model.eval()
 
 
-def load_by_name(model: nn.Module, weights) -> None:
-    """Copy checkpoint tensors into parameters of the same name; every parameter must be set."""
+@torch.no_grad()
+def load_by_name(model: nn.Module, weights, pieces=None) -> None:
+    """Copy checkpoint tensors into parameters of the same name; every parameter must be set.
+
+    ``pieces(name)`` places a checkpoint tensor that fills only part of a parameter (one expert
+    of a stacked weight): it returns ``(parameter name, index)`` for such a name, ``index``
+    taken of the parameter, or None for any other. A parameter filled in pieces is set once its
+    pieces, each given once, add up to all of it."""
     params = dict(model.named_parameters())
     missing = set(params)
     tied = model.config.get("tie_word_embeddings", False)
+    filled: dict[str, int] = {}  # elements written so far of parameters filled in pieces
+    seen_pieces: set[str] = set()
     for name, tensor in weights:
-        if name not in params:
+        place = pieces(name) if pieces is not None else None
+        if place is not None:
+            if name in seen_pieces:
+                raise ValueError(f"checkpoint tensor {name!r} appears twice")
+            seen_pieces.add(name)
+            param_name, index = place
+            target = params[param_name][index]
+            filled[param_name] = filled.get(param_name, 0) + target.numel()
+            if filled[param_name] == params[param_name].numel():
+                missing.discard(param_name)
+        elif name not in params:
             if (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
                 continue
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
-        param = params[name]
-        if param.shape != tensor.shape:
+        else:
+            target = params[name]
+            missing.discard(name)
+        if target.shape != tensor.shape:
             raise ValueError(
-                f"{name}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}"
+                f"{name}: checkpoint {tuple(tensor.shape)}, model {tuple(target.shape)}"
             )
-        with torch.no_grad():
-            param.copy_(tensor)
-        missing.discard(name)
+        target.copy_(tensor)
     if missing:
         raise ValueError(f"checkpoint lacks {sorted(missing)[:5]} ({len(missing)} tensors)")

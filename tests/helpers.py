@@ -107,6 +107,26 @@ def tiny_deepseek_v3(**overrides) -> torch.nn.Module:
     return _random_model("DeepseekV3Config", "DeepseekV3ForCausalLM", fields)
 
 
+def naive_loop_moe(moe, x: torch.Tensor) -> torch.Tensor:
+    """A ``models.deepseek_v3.MoE`` computed as it was before its routing stayed on the device:
+    a loop over the chosen experts (``ids.unique().tolist()``), each run on its tokens and its
+    output added at them in the model dtype. The reference for both of its paths."""
+    import torch
+    import torch.nn.functional as F
+
+    weights, ids = moe.gate(x)
+    experts = moe.experts
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        token, slot = torch.where(ids == e)
+        gate, up = F.linear(x[token], experts.gate_up_proj[e]).chunk(2, dim=-1)
+        y = F.linear(experts.act(gate) * up, experts.down_proj[e])
+        out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype))
+    if moe.shared_experts is not None:
+        out = out + moe.shared_experts(x)
+    return out
+
+
 def save_tiny_llama(path, **overrides) -> torch.nn.Module:
     model = tiny_llama(**overrides)
     model.save_pretrained(path)

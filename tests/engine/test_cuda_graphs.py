@@ -9,6 +9,7 @@ import torch
 from engine import LLM
 from engine.cuda_graphs import batch_sizes
 from tests.helpers import (
+    TINY_DEEPSEEK_V3,
     TINY_GEMMA3,
     TINY_LLAMA,
     generate_with_logits,
@@ -39,20 +40,13 @@ def test_cpu_engine_runs_eagerly_and_says_why(tmp_path):
 
 
 @cuda
-def test_deepseek_runs_eagerly_on_cuda(tmp_path):
-    save_tiny_deepseek_v3(tmp_path)
-    llm = LLM(str(tmp_path), device="cuda", max_model_len=64, num_kv_blocks=8)
-    assert llm.engine.runner.graphs is None
-    assert "not capturable" in llm.engine.runner.graphs_unavailable()
-
-
-@cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "deepseek_v3"])
 def test_graphs_give_the_greedy_tokens_of_eager_steps(tmp_path, monkeypatch, arch, dtype):
     save, fields = {
         "llama": (save_tiny_llama, TINY_LLAMA),
         "gemma3": (save_tiny_gemma3, TINY_GEMMA3),
+        "deepseek_v3": (save_tiny_deepseek_v3, TINY_DEEPSEEK_V3),
     }[arch]
     save(tmp_path)
     # 5 and 3 running sequences replay padded graphs (8 and 4); the long prompt is prefilled in

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 import torch
 
 from engine import LLM
+from models import deepseek_v3
 from models.config import ModelConfig
-from models.deepseek_v3 import rope_frequencies, softmax_scale
+from models.deepseek_v3 import DeepseekV3ForCausalLM, MoE, rope_frequencies, softmax_scale
 from models.kv_spec import MLASpec
+from models.loader import iter_safetensors, load_model
 from tests.helpers import TINY_DEEPSEEK_V3 as TINY
-from tests.helpers import generate_with_logits, random_prompt, tiny_deepseek_v3
+from tests.helpers import generate_with_logits, naive_loop_moe, random_prompt, tiny_deepseek_v3
 
 transformers = pytest.importorskip("transformers")
 
@@ -156,3 +159,74 @@ def test_yarn_frequencies_and_scale_of_a_v3_config_equal_transformers(tmp_path):
     ref_scale = yarn_apply_mscale(config.rope_parameters, config.qk_head_dim**-0.5)
     assert softmax_scale(ours) == pytest.approx(ref_scale, rel=1e-12)
     assert softmax_scale(ours) > 1.8 * 192**-0.5  # mscale(40) ** 2 ~ 1.87
+
+
+@pytest.fixture(scope="module")
+def moe_layers(checkpoint):
+    """Our MoE and transformers' on the same weights (the checkpoint's last layer)."""
+    path, model = checkpoint
+    theirs = model.model.layers[-1].mlp
+    ours = MoE(ModelConfig.from_dir(path))
+    # transformers holds its experts stacked under the same names and layout.
+    ours.load_state_dict(theirs.state_dict())
+    return ours.eval(), theirs
+
+
+# How the routed experts run: the default (gathered up to GATHER_MAX_TOKENS tokens, grouped
+# above), each path forced at every size, and the gathered path one token per chunk.
+PATHS = {
+    "default": {},
+    "gathered": {"GATHER_MAX_TOKENS": 10**9},
+    "grouped": {"GATHER_MAX_TOKENS": 0},
+    "gathered in chunks": {"GATHER_MAX_TOKENS": 10**9, "GATHER_CHUNK_BYTES": 1},
+}
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 64, 300])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_moe_equals_the_per_expert_loop_and_transformers(moe_layers, monkeypatch, path, tokens):
+    ours, theirs = moe_layers
+    for name, value in PATHS[path].items():
+        monkeypatch.setattr(deepseek_v3, name, value)
+    x = torch.randn(tokens, TINY["hidden_size"], generator=torch.Generator().manual_seed(tokens))
+    with torch.no_grad():
+        out = ours(x)
+        loop, ref = naive_loop_moe(ours, x), theirs(x[None])[0]
+    assert len(ours.gate(x)[1].unique()) > min(tokens, 3)  # routing spreads the tokens
+    assert (out - loop).abs().max().item() < 1e-5
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("path", ["gathered", "grouped"])
+def test_moe_in_bfloat16_equals_the_per_expert_loop(moe_layers, monkeypatch, path):
+    ours, _ = moe_layers
+    for name, value in PATHS[path].items():
+        monkeypatch.setattr(deepseek_v3, name, value)
+    moe = copy.deepcopy(ours)
+    for name, param in moe.named_parameters():
+        if name != "gate.e_score_correction_bias":  # fp32 at any model dtype
+            param.data = param.data.bfloat16()
+    x = torch.randn(40, TINY["hidden_size"], generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out, loop = moe(x.bfloat16()), naive_loop_moe(moe, x.bfloat16())
+    assert out.dtype == torch.bfloat16
+    # The loop adds each expert's share in bf16; the paths sum the shares in fp32.
+    assert (out.float() - loop.float()).abs().max().item() < 2e-2 * loop.float().abs().max()
+
+
+def test_per_expert_checkpoint_tensors_fill_the_stacked_experts(checkpoint):
+    path, model = checkpoint
+    ours = load_model(ModelConfig.from_dir(path), torch.float32, torch.device("cpu"))
+    for layer, theirs in zip(ours.model.layers[1:], model.model.layers[1:]):
+        for name in ("gate_up_proj", "down_proj"):
+            mine = getattr(layer.mlp.experts, name)
+            assert torch.equal(mine, getattr(theirs.mlp.experts, name))
+
+
+def test_a_checkpoint_missing_one_expert_weight_is_refused(checkpoint):
+    path, _ = checkpoint
+    model = DeepseekV3ForCausalLM(ModelConfig.from_dir(path))
+    gone = "model.layers.1.mlp.experts.3.up_proj.weight"
+    weights = ((n, t) for n, t in iter_safetensors(path) if n != gone)
+    with pytest.raises(ValueError, match=r"lacks \['model.layers.1.mlp.experts.gate_up_proj'\]"):
+        model.load_weights(weights)
