@@ -23,6 +23,9 @@ from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.structured import Grammars, apply_bitmask
 
+# On a CPU, the rows drawn together at most: about this many bytes of logits.
+CPU_CHUNK_BYTES = 2 << 20
+
 
 class Sampler:
     def __init__(
@@ -120,12 +123,16 @@ class Sampler:
         if not rows:
             return results
         # Each sampled row's uniform number, drawn once: a retry row by row draws the same token.
-        uniform = torch.zeros(n, device=logits.device)
-        if shared:
-            draws = torch.rand(len(shared), generator=self.generator, device=self.device)
-            uniform[_index(shared, logits.device)] = draws.to(logits.device)
-        if seeded:
-            uniform[_index(seeded, logits.device)] = torch.cat(seeded_draws).to(logits.device)
+        draws = torch.rand(len(shared), generator=self.generator, device=self.device)
+        if len(shared) == n:
+            uniform = draws.to(logits.device)
+        else:
+            uniform = torch.zeros(n, device=logits.device)
+            if shared:
+                uniform[_index(shared, logits.device)] = draws.to(logits.device)
+            if seeded:
+                seeded_draws = torch.cat(seeded_draws).to(logits.device)
+                uniform[_index(seeded, logits.device)] = seeded_draws
         inputs = (logits, uniform, params, prompt_ids, output_ids)
         try:
             for i, result in zip(rows, self._sample_rows(rows, *inputs)):
@@ -173,30 +180,33 @@ class Sampler:
         params = [params[i] for i in rows]
         outputs = [output_ids[i] for i in rows]
         x = self._process(logits, rows, params, [prompt_ids[i] for i in rows], outputs)
-        device = x.device
-        tokens = torch.empty(len(rows), dtype=torch.long, device=device)
+        device, n = x.device, len(rows)
+        tokens = torch.empty(n, dtype=torch.long, device=device)
         greedy = [j for j, p in enumerate(params) if p.greedy and not p.forced]
-        if len(greedy) == len(rows):
-            tokens = x.argmax(dim=-1)
-        elif greedy:
-            index = _index(greedy, device)
-            tokens[index] = x[index].argmax(dim=-1)
+        if greedy:
+            index = _subset(greedy, n, device)
+            tokens = _put(tokens, index, _take(x, index).argmax(dim=-1))
         drawn = [j for j, p in enumerate(params) if not p.greedy and not p.forced]
         if drawn:
-            index = _index(drawn, device)
-            rows_uniform = uniform[_index([rows[j] for j in drawn], device)]
-            tokens[index] = self._draw(x[index], [params[j] for j in drawn], rows_uniform)
+            index = _subset(drawn, n, device)
+            at = _subset([rows[j] for j in drawn], uniform.shape[0], device)
+            rows_uniform = _take(uniform, at)
+            drawn_params = [params[j] for j in drawn]
+            # A subset is a copy, the draw's to scale in place; the whole batch is not.
+            drawn_x = _take(x, index)
+            picked = self._draw(drawn_x, drawn_params, rows_uniform, own=index is not None)
+            tokens = _put(tokens, index, picked)
         forced = [j for j, p in enumerate(params) if p.forced]
         if forced:
-            values = [params[j].forced[len(outputs[j])] for j in forced]
-            tokens[_index(forced, device)] = torch.tensor(values, device=device)
+            values = torch.tensor([params[j].forced[len(outputs[j])] for j in forced])
+            tokens = _put(tokens, _subset(forced, n, device), _to(values, device))
         scored = [j for j, p in enumerate(params) if p.logprobs is not None]
         if scored:  # queued on the device before the tokens come back
-            index = _index(scored, device)
+            index = _subset(scored, n, device)
             k = max(params[j].logprobs for j in scored)
-            packed = _logprob_table(x[index], tokens[index], k)
+            packed = _logprob_table(_take(x, index), _take(tokens, index), k)
         chosen = tokens.tolist()
-        records: list[TokenLogprob | None] = [None] * len(rows)
+        records: list[TokenLogprob | None] = [None] * n
         if scored:
             table = packed.tolist()
             ks = [params[j].logprobs for j in scored]
@@ -212,126 +222,217 @@ class Sampler:
         prompts: list[list[int]],
         outputs: list[list[int]],
     ) -> torch.Tensor:
-        """A copy of ``rows`` of ``logits`` with logit_bias, the repetition penalty (over the
-        prompt and output tokens), the frequency and presence penalties (over the output
-        tokens) and min_tokens' bans applied, in that order."""
+        """``rows`` of ``logits`` with logit_bias, the repetition penalty (over the prompt and
+        output tokens), the frequency and presence penalties (over the output tokens) and
+        min_tokens' bans applied, in that order; a copy unless there is nothing to apply. The
+        penalties touch only the tokens seen, not whole rows."""
         device = logits.device
-        x = logits[_index(rows, device)]
-        vocab = x.shape[1]
         bias = [(j, t, b) for j, p in enumerate(params) for t, b in p.logit_bias]
-        if bias:
-            js, ids, values = zip(*bias)
-            at = (_index(js, device), _index(ids, device))
-            x[at] += torch.tensor(values, device=device)
         repeat = [j for j, p in enumerate(params) if p.repetition_penalty != 1.0]
-        if repeat:
-            index = _index(repeat, device)
-            at = _flat([chain(prompts[j], outputs[j]) for j in repeat], vocab, device)
-            seen = torch.zeros(len(repeat), vocab, dtype=torch.bool, device=device)
-            seen[at] = True
-            penalty = _column([params[j].repetition_penalty for j in repeat], device)
-            vals = x[index]
-            x[index] = torch.where(
-                seen, torch.where(vals > 0, vals / penalty, vals * penalty), vals
-            )
         counted = [
             j
             for j, p in enumerate(params)
             if (p.frequency_penalty or p.presence_penalty) and outputs[j]
         ]
-        if counted:
-            index = _index(counted, device)
-            at = _flat([outputs[j] for j in counted], vocab, device)
-            counts = torch.zeros(len(counted), vocab, device=device)
-            counts.index_put_(at, torch.ones(at[0].shape[0], device=device), accumulate=True)
-            frequency = _column([params[j].frequency_penalty for j in counted], device)
-            presence = _column([params[j].presence_penalty for j in counted], device)
-            x[index] -= frequency * counts + presence * (counts > 0).to(x.dtype)
         banned = [
             (j, t)
             for j, p in enumerate(params)
             if len(outputs[j]) < p.min_tokens
             for t in self._banned(p)
         ]
+        x = _take(logits, _subset(rows, logits.shape[0], device))
+        if not (bias or repeat or counted or banned):
+            return x
+        if x is logits:
+            x = x.clone()
+        vocab = x.shape[1]
+        if bias:
+            js, ids, values = zip(*bias)
+            at = (_index(js, device), _index(ids, device))
+            x[at] += _to(torch.tensor(values), device)
+        if repeat:
+            js, ids, _ = _seen([chain(prompts[j], outputs[j]) for j in repeat], vocab)
+            penalty = torch.tensor([params[j].repetition_penalty for j in repeat])[js]
+            at = (_to(torch.tensor(repeat)[js], device), _to(ids, device))
+            penalty = _to(penalty, device)
+            vals = x[at]
+            x[at] = torch.where(vals > 0, vals / penalty, vals * penalty)
+        if counted:
+            js, ids, counts = _seen([outputs[j] for j in counted], vocab)
+            frequency = torch.tensor([params[j].frequency_penalty for j in counted])[js]
+            presence = torch.tensor([params[j].presence_penalty for j in counted])[js]
+            at = (_to(torch.tensor(counted)[js], device), _to(ids, device))
+            x[at] -= _to(frequency * counts.to(frequency.dtype) + presence, device)
         if banned:
             js, ids = zip(*banned)
             x[_index(js, device), _index(ids, device)] = float("-inf")
         return x
 
     def _draw(
-        self, x: torch.Tensor, params: list[SamplingParams], uniform: torch.Tensor
+        self,
+        x: torch.Tensor,
+        params: list[SamplingParams],
+        uniform: torch.Tensor,
+        own: bool = False,
     ) -> torch.Tensor:
-        """Processed logits [m, V] of sampled rows -> their tokens [m]: the first token whose
-        cumulative mass reaches each row's uniform number (scaled to the mass kept)."""
-        probs = self._filter(x, params)
-        cdf = probs.cumsum(dim=-1)
-        # 1 - u lies in (0, 1]: the target is positive and at most the kept mass, so the first
-        # cumulative sum reaching it ends on a token with mass (a token without any adds
-        # nothing, and cannot be the first to reach it).
-        target = (1 - uniform[:, None]) * cdf[:, -1:]
-        # Clamped: a row without mass anywhere (not a number) still names a token.
-        return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=x.shape[1] - 1)
+        """Processed logits [m, V] of sampled rows -> their tokens [m], drawn from what the
+        filters keep at each row's uniform number. ``own``: ``x`` may be overwritten."""
+        m, vocab = x.shape
+        rows = max(1, CPU_CHUNK_BYTES // (vocab * x.element_size()))
+        if x.device.type == "cpu" and m > rows:
+            # A few rows at a time stay in the cache through the passes below, and their
+            # temporaries stay small: over a whole large batch, temporaries several times the
+            # size of the logits can have the allocator hand memory back to the system and
+            # fault it in again every step (2.5x slower at 64 rows, measured so).
+            return torch.cat([
+                self._draw(x[a : a + rows], params[a : a + rows], uniform[a : a + rows], own)
+                for a in range(0, m, rows)
+            ])  # fmt: skip
+        probs, nucleus = self._filter(x, params, own)
+        if nucleus is None:
+            return _invert(probs, uniform)
+        tokens = torch.empty(m, dtype=torch.long, device=x.device)
+        js, values, ids = nucleus
+        index = _subset(js, m, x.device)
+        picked = ids.gather(1, _invert(values, _take(uniform, index))[:, None]).squeeze(1)
+        tokens = _put(tokens, index, picked)
+        rest = sorted(set(range(m)) - set(js))
+        if rest:
+            index = _index(rest, x.device)
+            tokens[index] = _invert(_take(probs, index), uniform[index])
+        return tokens
 
-    def _filter(self, x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    def _filter(
+        self, x: torch.Tensor, params: list[SamplingParams], own: bool = False
+    ) -> tuple[torch.Tensor, tuple[list[int], torch.Tensor, torch.Tensor] | None]:
         """Processed logits [m, V] of sampled rows -> their probabilities after temperature,
-        top-k, top-p and min-p (those filtered out 0; not renormalized)."""
+        top-k and min-p (those filtered out 0; not renormalized), and for the rows with a
+        top-p, (those rows, their nucleus's probabilities after min-p, its token ids): their
+        rows of the probabilities are left unfiltered, a draw takes them from the nucleus."""
         device, vocab = x.device, x.shape[1]
+        m = len(params)
         # Shifted to a maximum of 0 first, the scaled rows cannot overflow at any temperature.
         temperature = _column([p.temperature for p in params], device)
-        x = (x - x.amax(dim=-1, keepdim=True)) / temperature
+        top = x.amax(dim=-1, keepdim=True)
+        x = (x.sub_(top) if own else x - top).div_(temperature)
+        # x and probs are this function's own now: the filters work in place.
         top_k = [j for j, p in enumerate(params) if 0 < p.top_k < vocab]
         if top_k:
-            index = _index(top_k, device)
+            index = _subset(top_k, m, device)
             ks = [params[j].top_k for j in top_k]
-            vals = x[index]
+            vals = _take(x, index)
             kth = vals.topk(max(ks)).values.gather(1, _index(ks, device)[:, None] - 1)
-            x[index] = vals.masked_fill(vals < kth, float("-inf"))
+            x = _put(x, index, vals.masked_fill_(vals < kth, float("-inf")))
         probs = torch.softmax(x, dim=-1)
         top_p = [j for j, p in enumerate(params) if p.top_p < 1.0]
+        nucleus = None
         if top_p:
-            index = _index(top_p, device)
-            vals = probs[index]
-            mass = torch.tensor([params[j].top_p for j in top_p], device=device)
-            probs[index] = vals.masked_fill(~_top_p(vals, mass, self.full_sort), 0.0)
-        min_p = [j for j, p in enumerate(params) if p.min_p > 0]
-        if min_p:
-            index = _index(min_p, device)
-            vals = probs[index]
-            floor = _column([params[j].min_p for j in min_p], device)
-            probs[index] = vals.masked_fill(vals < floor * vals.amax(dim=-1, keepdim=True), 0.0)
+            mass = _to(torch.tensor([params[j].top_p for j in top_p]), device)
+            values, ids = _top_p(_take(probs, _subset(top_p, m, device)), mass, self.full_sort)
+            # The nucleus is sorted: its first probability is the row's largest.
+            values = _min_p(values, [params[j].min_p for j in top_p], values[:, :1])
+            nucleus = (top_p, values, ids)
+        rest = [j for j, p in enumerate(params) if p.top_p == 1.0 and p.min_p > 0]
+        if rest:
+            index = _subset(rest, m, device)
+            vals = _take(probs, index)
+            floors = [params[j].min_p for j in rest]
+            probs = _put(probs, index, _min_p(vals, floors, vals.amax(dim=-1, keepdim=True)))
+        return probs, nucleus
+
+
+def _min_p(probs: torch.Tensor, min_p: list[float], top: torch.Tensor) -> torch.Tensor:
+    """``probs`` [m, n] (its own) less those below each row's ``min_p`` of its largest
+    probability ``top`` [m, 1], in place."""
+    if not any(min_p):
         return probs
+    low = probs < _to(torch.tensor(min_p), probs.device)[:, None] * top
+    return probs.masked_fill_(low, 0.0)
 
 
-def _top_p(probs: torch.Tensor, top_p: torch.Tensor, full_sort: bool) -> torch.Tensor:
-    """Per row of ``probs`` [m, V], which tokens to keep: the most likely until their mass
-    reaches the row's ``top_p`` (the one crossing it kept). ``full_sort`` False sorts only as
-    many candidates as it takes: a top-k grown until every row's mass is in."""
+def _invert(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Per row of ``probs`` [m, n] (non-negative, not necessarily summing to 1): the first
+    column whose cumulative sum reaches the row's ``uniform`` number scaled to the total."""
+    cdf = probs.cumsum(dim=-1)
+    # 1 - u lies in (0, 1]: the target is positive and at most the total, so the first
+    # cumulative sum reaching it ends on a column with mass (one without any adds nothing, and
+    # cannot be the first to reach it).
+    target = (1 - uniform[:, None]) * cdf[:, -1:]
+    # Clamped: a row without mass anywhere (not a number) still names a column.
+    return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=probs.shape[1] - 1)
+
+
+def _top_p(
+    probs: torch.Tensor, top_p: torch.Tensor, full_sort: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``probs`` [m, V], its nucleus: the most likely tokens until their mass
+    reaches the row's ``top_p`` (the one crossing it kept), as probabilities [m, K] in
+    descending order, 0 past the nucleus, and their token ids [m, K]. ``full_sort`` False
+    sorts only as many candidates as it takes: a top-k grown until every row's mass is in."""
     m, n = probs.shape
-    keep = torch.zeros(m, n, dtype=torch.bool, device=probs.device)
     if full_sort:
         values, ids = probs.sort(dim=-1, descending=True)
         before = values.cumsum(dim=-1) - values
-        return keep.scatter_(1, ids, before <= top_p[:, None])
-    todo = torch.arange(m, device=probs.device)
+        return values.masked_fill_(before > top_p[:, None], 0.0), ids
+    groups = []
+    todo = None  # all rows; then those whose nucleus is not in yet
     k = 64
-    while todo.numel():
+    while True:
         k = min(k, n)
-        values, ids = probs[todo].topk(k)
+        values, ids = _take(probs, todo).topk(k)
         before = values.cumsum(dim=-1) - values
-        done = before[:, -1] > top_p[todo] if k < n else torch.ones_like(todo, dtype=torch.bool)
-        rows = todo[done]
-        keep[rows[:, None], ids[done]] = before[done] <= top_p[rows, None]
+        mass = _take(top_p, todo)
+        values.masked_fill_(before > mass[:, None], 0.0)
+        done = None if k == n else before[:, -1] > mass
+        if done is None or bool(done.all()):  # a host read: this path is for a CPU
+            groups.append((todo, values, ids))
+            break
+        if todo is None:
+            todo = torch.arange(m, device=probs.device)
+        groups.append((todo[done], values[done], ids[done]))
         todo = todo[~done]
         k *= 8
-    return keep
+    if len(groups) == 1:
+        return values, ids
+    values = torch.zeros(m, k, device=probs.device)
+    ids = torch.zeros(m, k, dtype=torch.long, device=probs.device)
+    for rows, group_values, group_ids in groups:
+        values[rows, : group_values.shape[1]] = group_values
+        ids[rows, : group_ids.shape[1]] = group_ids
+    return values, ids
+
+
+def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for the device's queued work (a blocking
+    copy would: a sync per copy). The host memory is staged before the call returns."""
+    return host.to(device, non_blocking=True)
 
 
 def _index(values, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long).to(device)
+    return _to(torch.tensor(values, dtype=torch.long), device)
+
+
+def _subset(js: list[int], n: int, device: torch.device) -> torch.Tensor | None:
+    """The index of rows ``js`` out of ``n``; None when they are all of them, in order."""
+    return None if js == list(range(n)) else _index(js, device)
+
+
+def _take(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """Those rows of ``x`` (a copy), or ``x`` itself for all of them."""
+    # index_select copies whole rows: on a CPU about 3x faster than x[index].
+    return x if index is None else x.index_select(0, index)
+
+
+def _put(x: torch.Tensor, index: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    """``x`` with those rows replaced by ``rows`` (``rows`` itself for all of them)."""
+    if index is None:
+        return rows
+    x[index] = rows
+    return x
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values).to(device)[:, None]
+    return _to(torch.tensor(values), device)[:, None]
 
 
 def _check_ids(ids: list[int], vocab: int, what: str) -> None:
@@ -340,15 +441,16 @@ def _check_ids(ids: list[int], vocab: int, what: str) -> None:
         raise ValueError(f"{what} names tokens outside the vocabulary of {vocab}: {bad[:5]}")
 
 
-def _flat(lists, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token id lists -> (row, id) index tensors of every entry, checked on the host."""
+def _seen(lists, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token id lists -> the distinct (list, token id) pairs among them and how often each
+    occurs: three host tensors, checked against the vocabulary there (no device sync)."""
     lists = [list(ids) for ids in lists]
     ids = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.long)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
         raise ValueError(f"token ids outside the vocabulary of {vocab}")
-    lengths = torch.tensor([len(ids) for ids in lists])
-    rows = torch.repeat_interleave(torch.arange(len(lists)), lengths)
-    return rows.to(device), ids.to(device)
+    js = torch.repeat_interleave(torch.arange(len(lists)), torch.tensor([len(x) for x in lists]))
+    keys, counts = torch.unique(js * vocab + ids, return_counts=True)
+    return keys // vocab, keys % vocab, counts
 
 
 def _has_penalty(p: SamplingParams) -> bool:
@@ -380,5 +482,5 @@ def _records(table: list[list[float]], token_ids: list[int], ks: list[int]) -> l
 
 def logprobs_of(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
     """For each row of ``logits`` [n, V]: the logprob of its token and the ``k`` best."""
-    ids = torch.tensor(token_ids, dtype=torch.long).to(logits.device)
+    ids = _to(torch.tensor(token_ids, dtype=torch.long), logits.device)
     return _records(_logprob_table(logits, ids, k).tolist(), token_ids, [k] * len(token_ids))

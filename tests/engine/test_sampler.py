@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine import sampler as sampler_module
 from engine.sampler import Sampler, _top_p, logprobs_of
 from engine.sampling_params import SamplingParams
 
@@ -78,11 +79,13 @@ def _logits(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
         dict(temperature=0.9, top_k=3),
     ],
 )
-def test_draws_follow_the_filtered_distribution(params):
+@pytest.mark.parametrize("full_sort", [False, True])
+def test_draws_follow_the_filtered_distribution(params, full_sort):
     p = SamplingParams(**params, seed=3)
     logits = torch.randn(40, generator=torch.Generator().manual_seed(7)) * 2
     expected = _expected(logits, p)
     sampler = Sampler(0, (), CPU)
+    sampler.full_sort = full_sort
     n = 10000
     counts = torch.zeros(40)
     for token, _ in sampler.sample(logits.expand(n, -1), ["r"] * n, [p] * n, [[]] * n, [[]] * n):
@@ -124,10 +127,13 @@ def test_top_p_over_a_large_vocabulary_keeps_what_a_full_sort_keeps(full_sort):
     logits = torch.randn(len(masses), 20000, generator=torch.Generator().manual_seed(1))
     logits[4] *= 8  # a peaked row: done with the first 64 candidates while the others grow
     probs = torch.softmax(logits, -1)
-    keep = _top_p(probs, torch.tensor(masses), full_sort)
-    for row, mass, kept in zip(probs, masses, keep):
+    values, ids = _top_p(probs, torch.tensor(masses), full_sort)
+    for row, mass, vals, row_ids in zip(probs, masses, values, ids):
         full = _expected(row.log(), SamplingParams(temperature=1.0, top_p=mass))
-        assert torch.equal(kept, full > 0)
+        kept = row_ids[vals > 0]
+        assert set(kept.tolist()) == set(full.nonzero().flatten().tolist())
+        assert torch.equal(vals[vals > 0], row[kept])  # the nucleus's probabilities, unchanged
+        assert torch.equal(vals, vals.sort(descending=True).values)  # best first, then 0s
 
 
 PROCESSING = [
@@ -200,7 +206,9 @@ def test_filtered_rows_equal_the_per_row_reference_exactly(full_sort):
     logits[:, 7] = float("-inf")  # banned tokens stay at probability 0
     sampler = Sampler(0, EOS, CPU)
     sampler.full_sort = full_sort
-    probs = sampler._filter(logits, FILTERS)
+    probs, (rows, values, ids) = sampler._filter(logits, FILTERS)
+    # The rows with a top-p are drawn from their nucleus: back to the whole vocabulary.
+    probs[rows] = torch.zeros(len(rows), vocab).scatter_add_(1, ids, values)
     for i, p in enumerate(FILTERS):
         expected = _naive_filter(logits[i], p)
         assert torch.equal(probs[i] > 0, expected > 0), p
@@ -241,6 +249,21 @@ def test_a_seeded_request_draws_the_same_tokens_in_any_batch():
     assert len(set(alone)) > 3  # drawn, not stuck on one token
     other_seed = ("s", SamplingParams(temperature=1.2, top_p=0.9, seed=43))
     assert _run(Sampler(0, EOS, CPU), [other_seed], 12)["s"] != alone
+
+
+def test_a_batch_drawn_a_few_rows_at_a_time_draws_the_same_tokens(monkeypatch):
+    vocab, n = 60, 13
+    kinds = FILTERS + [SamplingParams(temperature=0.5, seed=4, logprobs=1)]
+    params = [kinds[i % len(kinds)] for i in range(n)]
+    logits = _logits(n, vocab, seed=11)
+
+    def run():
+        args = (logits.clone(), [f"r{i}" for i in range(n)], params, [[1]] * n, [[2]] * n)
+        return Sampler(7, EOS, CPU).sample(*args)
+
+    whole = run()
+    monkeypatch.setattr(sampler_module, "CPU_CHUNK_BYTES", 3 * vocab * 4)  # 3 rows a chunk
+    assert run() == whole
 
 
 def test_a_mixed_batch_matches_the_per_row_reference():
@@ -290,28 +313,30 @@ def test_the_tokens_and_logprobs_come_back_in_one_transfer_each(monkeypatch):
     ]
     sampler = Sampler(0, EOS, CPU)
     sampler.full_sort = True  # as on an accelerator
-    reads = []
+    reads, counting = [], [True]
     for name in ("tolist", "item", "__int__", "__bool__", "__float__"):
         original = getattr(torch.Tensor, name)
 
         def counted(self, *a, _name=name, _original=original, **kw):
-            reads.append(_name)
+            if counting[0]:
+                reads.append(_name)
             return _original(self, *a, **kw)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
+    seen = sampler_module._seen
+
+    def on_the_host(*args):  # the token ids of the penalties: host tensors, read there
+        counting[0] = False
+        try:
+            return seen(*args)
+        finally:
+            counting[0] = True
+
+    monkeypatch.setattr(sampler_module, "_seen", on_the_host)
     outs = [[1, 2]] * len(params)
-    # The host-side checks of the token ids read host tensors: out of the count.
-    monkeypatch.setattr("engine.sampler._flat", _flat_unchecked)
     results = sampler.sample(_logits(4, 100), list("abcd"), params, [[3]] * 4, outs)
     assert all(not isinstance(r, Exception) for r in results)
     assert reads == ["tolist", "tolist"]
-
-
-def _flat_unchecked(lists, vocab, device):
-    lists = [list(ids) for ids in lists]
-    ids = torch.tensor([t for ids in lists for t in ids], dtype=torch.long)
-    rows = torch.tensor([j for j, ids in enumerate(lists) for _ in ids], dtype=torch.long)
-    return rows.to(device), ids.to(device)
 
 
 def test_all_greedy_rows_take_the_argmax():
