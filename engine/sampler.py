@@ -192,9 +192,7 @@ class Sampler:
             at = _subset([rows[j] for j in drawn], uniform.shape[0], device)
             rows_uniform = _take(uniform, at)
             drawn_params = [params[j] for j in drawn]
-            # A subset is a copy, the draw's to scale in place; the whole batch is not.
-            drawn_x = _take(x, index)
-            picked = self._draw(drawn_x, drawn_params, rows_uniform, own=index is not None)
+            picked = self._draw(x, index, drawn_params, rows_uniform)
             tokens = _put(tokens, index, picked)
         forced = [j for j, p in enumerate(params) if p.forced]
         if forced:
@@ -271,23 +269,37 @@ class Sampler:
     def _draw(
         self,
         x: torch.Tensor,
+        index: torch.Tensor | None,
+        params: list[SamplingParams],
+        uniform: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rows ``index`` (None: all) of processed logits ``x`` [n, V], sampled rows -> their
+        tokens [m], drawn from what the filters keep at each row's uniform number."""
+        m, vocab = len(params), x.shape[1]
+        rows = max(1, CPU_CHUNK_BYTES // (vocab * x.element_size()))
+        if x.device.type != "cpu" or m <= rows:
+            return self._draw_rows(_take(x, index), params, uniform, own=index is not None)
+        # A few rows at a time stay in the cache through the passes over them, and their
+        # temporaries stay small: over a whole large batch, temporaries several times the size
+        # of the logits can have the allocator hand memory back to the system and fault it in
+        # again every step (2.5x slower at 64 rows, measured so).
+        tokens = []
+        for a in range(0, m, rows):
+            part = x[a : a + rows] if index is None else x.index_select(0, index[a : a + rows])
+            own = index is not None  # a copy, to scale in place; x's own rows are not
+            tokens.append(self._draw_rows(part, params[a : a + rows], uniform[a : a + rows], own))
+        return torch.cat(tokens)
+
+    def _draw_rows(
+        self,
+        x: torch.Tensor,
         params: list[SamplingParams],
         uniform: torch.Tensor,
         own: bool = False,
     ) -> torch.Tensor:
-        """Processed logits [m, V] of sampled rows -> their tokens [m], drawn from what the
-        filters keep at each row's uniform number. ``own``: ``x`` may be overwritten."""
-        m, vocab = x.shape
-        rows = max(1, CPU_CHUNK_BYTES // (vocab * x.element_size()))
-        if x.device.type == "cpu" and m > rows:
-            # A few rows at a time stay in the cache through the passes below, and their
-            # temporaries stay small: over a whole large batch, temporaries several times the
-            # size of the logits can have the allocator hand memory back to the system and
-            # fault it in again every step (2.5x slower at 64 rows, measured so).
-            return torch.cat([
-                self._draw(x[a : a + rows], params[a : a + rows], uniform[a : a + rows], own)
-                for a in range(0, m, rows)
-            ])  # fmt: skip
+        """Processed logits [m, V] of sampled rows -> their tokens [m]. ``own``: ``x`` may be
+        overwritten."""
+        m = x.shape[0]
         probs, nucleus = self._filter(x, params, own)
         if nucleus is None:
             return _invert(probs, uniform)
