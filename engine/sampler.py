@@ -363,9 +363,10 @@ def _min_p(probs: torch.Tensor, min_p: list[float], top: torch.Tensor) -> torch.
 
 
 def _invert(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Per row of ``probs`` [m, n] (non-negative, not necessarily summing to 1): the first
-    column whose cumulative sum reaches the row's ``uniform`` number scaled to the total."""
-    cdf = probs.cumsum(dim=-1)
+    """Per row of ``probs`` [m, n] (non-negative, not necessarily summing to 1; overwritten):
+    the first column whose cumulative sum reaches the row's ``uniform`` number scaled to the
+    total."""
+    cdf = probs.cumsum_(dim=-1)
     # 1 - u lies in (0, 1]: the target is positive and at most the total, so the first
     # cumulative sum reaching it ends on a column with mass (one without any adds nothing, and
     # cannot be the first to reach it).
@@ -401,10 +402,11 @@ def _top_p(
             break
         if todo is None:
             todo = torch.arange(m, device=probs.device)
-        groups.append((todo[done], values[done], ids[done]))
-        todo = todo[~done]
+        if bool(done.any()):
+            groups.append((todo[done], values[done], ids[done]))
+            todo = todo[~done]
         k *= 8
-    if len(groups) == 1:
+    if len(groups) == 1 and values.shape[0] == m:  # all rows in the same round
         return values, ids
     values = torch.zeros(m, k, device=probs.device)
     ids = torch.zeros(m, k, dtype=torch.long, device=probs.device)
