@@ -192,19 +192,28 @@ def assert_failed_alone(llm: LLM, outs, canary_alone, stage: str) -> None:
     assert metric(engine, "kvserve:request_success_total", finished_reason="length") == 1
 
 
-@pytest.mark.parametrize("method", ["_process", "_choose"])
+def _poisoned(method: str, args: tuple) -> bool:
+    """Whether a call of the sampler's ``method`` involves the poisoned request."""
+    if method == "_check":  # (params, prompt, output, vocab): one request
+        return bool(args[0].extra.get("poison"))
+    rows, params = args[0], args[3]  # _sample_rows: (rows, logits, uniform, params, ...)
+    return any(params[i].extra.get("poison") for i in rows)
+
+
+# _check: the per-request checks before the batch; _sample_rows: the batch itself, which falls
+# back to one row at a time.
+@pytest.mark.parametrize("method", ["_check", "_sample_rows"])
 def test_a_sampler_failure_fails_only_its_request(
     tiny_llama_dir, canary_alone, monkeypatch, method
 ):
     original = getattr(Sampler, method)
 
-    def failing(*args):
-        p = next(a for a in args if isinstance(a, SamplingParams))
-        if p.extra.get("poison"):
+    def failing(self, *args):
+        if _poisoned(method, args):
             raise RuntimeError("poisoned row")
-        return original(*args)
+        return original(self, *args)
 
-    monkeypatch.setattr(Sampler, method, failing if method == "_process" else staticmethod(failing))
+    monkeypatch.setattr(Sampler, method, failing)
     llm = make(tiny_llama_dir)
     outs = llm.generate([CANARY, OTHER], [greedy(), poisoned()])
     assert_failed_alone(llm, outs, canary_alone, "sampling")
@@ -214,14 +223,14 @@ def test_a_sampler_failure_fails_only_its_request(
 def test_a_failure_mid_generation_frees_the_blocks_it_held(
     tiny_llama_dir, canary_alone, monkeypatch
 ):
-    original = Sampler._process
+    original = Sampler._check
 
-    def failing(self, row, p, prompt, output):
+    def failing(self, p, prompt, output, vocab):
         if p.extra.get("poison") and len(output) == 3:
             raise RuntimeError("poisoned after three tokens")
-        return original(self, row, p, prompt, output)
+        return original(self, p, prompt, output, vocab)
 
-    monkeypatch.setattr(Sampler, "_process", failing)
+    monkeypatch.setattr(Sampler, "_check", failing)
     llm = make(tiny_llama_dir)
     outs = llm.generate([CANARY, OTHER], [greedy(), poisoned()])
     assert_failed_alone(llm, outs, canary_alone, "sampling")

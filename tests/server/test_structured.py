@@ -193,7 +193,7 @@ def test_a_named_tool_call_always_parses_and_matches_its_schema(client, seed):
 def test_required_and_auto_calls_name_a_tool_and_match_its_schema(client):
     for choice, parallel in (("required", True), ("required", False), ("auto", True)):
         finish, calls = tool_calls(client, tool_choice=choice, parallel_tool_calls=parallel,
-                                   temperature=0.9, seed=4)  # fmt: skip
+                                   temperature=0.9, seed=1)  # fmt: skip
         assert finish == "tool_calls" and calls and (parallel or len(calls) == 1)
         for name, arguments in calls:
             jsonschema.validate(arguments, SCHEMA_OF[name])
