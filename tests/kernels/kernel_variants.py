@@ -17,6 +17,8 @@ it prints one JSON document, ``{"skip": reason}`` or ``{"rows": [...]}`` with on
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -97,10 +99,10 @@ class Step:
         return len(self.decodes) + sum(n for _, n in self.prefills)
 
 
-def model_config(name: str):
+def model_config(name: str, **overrides):
     from models.config import ModelConfig
 
-    return ModelConfig(Path(name), MappingProxyType(MODELS[name]))
+    return ModelConfig(Path(name), MappingProxyType({**MODELS[name], **overrides}))
 
 
 def steps(max_len: int) -> Iterator[Step]:
@@ -130,7 +132,9 @@ def _metadata(step: Step, width: int, window: int):
     )
 
 
-def _layer_tensors(spec, num_heads: int, tokens: int, dtype: torch.dtype):
+def _layer_tensors(
+    spec, num_heads: int, tokens: int, dtype: torch.dtype, block_size: int = BLOCK_SIZE
+):
     """The per-layer caches as ``kv_spec`` lays them out (two blocks: the block count changes
     no stride), and q, k, v of ``tokens`` new tokens as the models hand them to attention."""
     from models.kv_spec import MLASpec
@@ -140,7 +144,7 @@ def _layer_tensors(spec, num_heads: int, tokens: int, dtype: torch.dtype):
         dk, dv, heads = spec.row_width, spec.kv_lora_rank, 1
     else:
         dk, dv, heads = spec.head_dim, spec.head_dim, spec.num_kv_heads
-    k_cache = torch.empty(2, BLOCK_SIZE, heads, dk, **new)
+    k_cache = torch.empty(2, block_size, heads, dk, **new)
     k = torch.empty(tokens, heads, dk, **new)
     if isinstance(spec, MLASpec):
         v_cache, v = k_cache[..., :dv], k[..., :dv]
@@ -385,15 +389,18 @@ def ptxas_verbose(ptx: str, capability: int) -> dict[str, int]:
     return {k: int(re.search(pattern, log).group(1)) for k, pattern in found.items()}
 
 
-def _tile_launch(model: str, kernel: str, dtype: torch.dtype, tile, sms: int):
-    """The decode or prefill launch of the model's first KV-cache group with ``tile``."""
+def _tile_launch(
+    model: str, kernel: str, dtype: torch.dtype, tile, sms: int, block_size: int, heads: int
+):
+    """The decode or prefill launch of the model's first KV-cache group with ``tile`` (and
+    ``heads`` query heads, if not 0)."""
     from kernels import triton_attention
     from models.loader import model_class
 
-    cfg = model_config(model)
+    cfg = model_config(model, **({"num_attention_heads": heads} if heads else {}))
     dtype_name = str(dtype).removeprefix("torch.")
     spec = model_class(cfg).kv_cache_groups(cfg, dtype_name)[0].spec
-    (k_cache, v_cache), (q, k, v) = _layer_tensors(spec, cfg.num_heads, 4, dtype)
+    (k_cache, v_cache), (q, k, v) = _layer_tensors(spec, cfg.num_heads, 4, dtype, block_size)
     index = dict(dtype=torch.int32, device="meta")
     tables, lens = torch.empty(4, 8, **index), torch.empty(4, **index)
     if kernel == "decode":
@@ -408,7 +415,15 @@ def _tile_launch(model: str, kernel: str, dtype: torch.dtype, tile, sms: int):
     return launches[0]
 
 
-def tile_usage(target_name: str, model: str, kernel: str, dtype_name: str, tiles: list) -> str:
+def tile_usage(
+    target_name: str,
+    model: str,
+    kernel: str,
+    dtype_name: str,
+    tiles: list,
+    block_size: int = BLOCK_SIZE,
+    heads: int = 0,
+) -> str:
     """Markdown: for each tile, the model's decode or prefill kernel compiled for the target,
     with ``ptxas -v``'s registers and spills, the shared memory and the async copies."""
     target = TARGETS[target_name]
@@ -419,8 +434,19 @@ def tile_usage(target_name: str, model: str, kernel: str, dtype_name: str, tiles
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for tile in tiles:
-        launch = _tile_launch(model, kernel, DTYPES[dtype_name], tile, target.sms)
-        compiled = specializer.compiled(specializer.variant(launch))
+        dtype = DTYPES[dtype_name]
+        launch = _tile_launch(model, kernel, dtype, tile, target.sms, block_size, heads)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # Triton prints failing PTX there
+                compiled = specializer.compiled(specializer.variant(launch))
+        except Exception as e:  # ptxas refuses a tile whose instructions need more registers
+            why = next((x for x in str(e).splitlines() if "fatal" in x), str(e).splitlines()[0])
+            why = re.sub(r"^.*?fatal\s*:\s*(\(\w+\)\s*)?", "", why).strip()
+            lines.append(
+                f"| {tile.rows} | {tile.block_n} | {tile.num_warps} | {tile.num_stages} "
+                f"| does not compile: {why} |||||"
+            )
+            continue
         v = ptxas_verbose(compiled.asm["ptx"], target.capability)
         shared = compiled.metadata.shared + _resource_usage(compiled.asm["cubin"])["SHARED"]
         copies, in_flight = _async_copies(compiled.asm["ptx"])
@@ -435,12 +461,17 @@ def tile_usage(target_name: str, model: str, kernel: str, dtype_name: str, tiles
 def main(argv: list[str]) -> None:
     """``python -m tests.kernels.kernel_variants TARGET`` (a key of TARGETS): every variant,
     as JSON. ``... TARGET --tiles MODEL decode|prefill DTYPE ROWS:KEYS:WARPS:STAGES ...``: the
-    model's kernel compiled with each tile, as a markdown table (``ptxas -v`` figures)."""
+    model's kernel compiled with each tile, as a markdown table (``ptxas -v`` figures), its
+    cache in blocks of ``--block-size`` tokens."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m tests.kernels.kernel_variants")
     parser.add_argument("target", choices=TARGETS)
     parser.add_argument("--tiles", nargs="+", metavar="ARG")
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="with --tiles")
+    parser.add_argument(
+        "--heads", type=int, default=0, help="with --tiles: query heads (MLA: a rank's share)"
+    )
     args = parser.parse_args(argv)
     why = unavailable()
     if args.tiles:
@@ -450,7 +481,10 @@ def main(argv: list[str]) -> None:
 
         model, kernel, dtype_name, *specs = args.tiles
         tiles = [Tile(*map(int, spec.split(":"))) for spec in specs]
-        print(tile_usage(args.target, model, kernel, dtype_name, tiles))
+        usage = tile_usage(
+            args.target, model, kernel, dtype_name, tiles, args.block_size, args.heads
+        )
+        print(usage)
         return
     print(json.dumps({"skip": why} if why else {"rows": collect(args.target)}))
 
