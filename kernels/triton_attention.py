@@ -13,6 +13,9 @@ Design:
   - Decode splits the context into ``num_splits`` parts (flash-decoding) that write a partial
     output and its log-sum-exp; a second kernel merges them. The split count comes from the
     table width, not from ``seq_lens``, so choosing it never waits for the device.
+  - K/V tiles are copied to shared memory asynchronously (cp.async), the next one in flight
+    while the current one is multiplied (3 stages; see ``_attend``), the block table read a
+    tile ahead of the copies.
   - Sliding window: only positions in ``[p - window + 1, p]`` are visited, so the cost per token
     is bounded by the window whatever the context length.
 """
@@ -620,8 +623,9 @@ def _precision(dtype: torch.dtype) -> dict:
     return dict(PRECISION="ieee" if dtype == torch.float32 or upcast else "tf32", UPCAST=upcast)
 
 
-# Decode programs that stay resident on one SM at once (registers allow 4-8 of the default
-# tiles): the split plan aims to fill them, not just to give each SM one program.
+# Decode programs that stay resident on one SM at once (registers and the 3-stage K/V buffers
+# allow 3-5 of the default GQA tiles on an H100, 1 of MLA's): the split plan aims to fill them,
+# not just to give each SM one program.
 PROGRAMS_PER_SM = 4
 MAX_SPLITS = 128
 MIN_SPLIT_TOKENS = 128
