@@ -361,11 +361,11 @@ def bench_shape(
     )
 
 
-def tile_candidates(shape: Shape, dtype: torch.dtype) -> list:
+def tile_candidates(shape: Shape, dtype: torch.dtype, block_size: int = 16) -> list:
     from kernels.triton_attention import Tile, decode_tile
 
     group = shape.num_heads // shape.num_kv_heads
-    default = decode_tile(dtype, shape.dk, group)
+    default = decode_tile(dtype, shape.dk, group, block_size, shape.window)
     rows = sorted({default.rows} | {r for r in (16, 32, 64) if r < group})
     block_ns = (16, 32) if shape.dk > 256 else (32, 64)
     tiles = [Tile(r, n, w, st) for r in rows for n in block_ns for w in (4, 8) for st in (2, 3)]
@@ -378,7 +378,7 @@ def sweep_tiles(
     """The fastest (tile, split count) among the candidates that agree with the default."""
     tol = 2e-2 if expected.dtype in (torch.bfloat16, torch.float16) else 1e-4
     results = []
-    for tile in tile_candidates(case.shape, case.k_cache.dtype):
+    for tile in tile_candidates(case.shape, case.k_cache.dtype, case.k_cache.shape[1]):
         fn = _kernel_under_test(case, splits, tile)
         try:
             ok = (fn().float() - expected.float()).abs().max().item() <= tol

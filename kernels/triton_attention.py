@@ -13,6 +13,9 @@ Design:
   - Decode splits the context into ``num_splits`` parts (flash-decoding) that write a partial
     output and its log-sum-exp; a second kernel merges them. The split count comes from the
     table width, not from ``seq_lens``, so choosing it never waits for the device.
+  - K/V tiles are copied to shared memory asynchronously (cp.async), the next one in flight
+    while the current one is multiplied (3 stages; see ``_attend``), the block table read a
+    tile ahead of the copies.
   - Sliding window: only positions in ``[p - window + 1, p]`` are visited, so the cost per token
     is bounded by the window whatever the context length.
 """
@@ -84,6 +87,7 @@ def _attend(
     stride_vb,
     stride_vd,
     PAGED: tl.constexpr,
+    TILE_IN_BLOCK: tl.constexpr,
     SHARED_V: tl.constexpr,
     BS: tl.constexpr,
     RING: tl.constexpr,
@@ -103,18 +107,31 @@ def _attend(
 
     PAGED: position p is read from the cache through the block table (a ring when RING).
     Otherwise p is a row index into contiguous k/v (the new tokens of a prefill chunk).
+    TILE_IN_BLOCK (paged): the caller guarantees that every tile [start, start + BLOCK_N) lies
+    in one cache block (lo is a multiple of BLOCK_N, which divides BS, and no ring), so a tile
+    needs one table entry, a scalar, rather than one per key.
     ``q_pos`` are the rows' positions in the same coordinates, for the causal/window masks.
     SHARED_V: v is exactly the power-of-two part of k (MLA's latent), so the K tile is reused.
     The loop body is written out rather than split into helpers: the interpreter re-patches
     triton.language on every device-function call, which would dominate the test run time.
+
+    Pipelining: Triton's software pipeliner turns the K/V tile loads into asynchronous copies
+    to shared memory (cp.async on sm_80 and sm_90) into ``num_stages - 1`` buffers: with 2
+    stages a tile's copy is issued at the end of the previous iteration and waited for at once;
+    with 3 the next tile's copy stays in flight while the current tile is multiplied. Their
+    addresses come from the block table, read one tile earlier still (``next_*``), so a copy
+    is never issued behind a table load of its own iteration (a table load in the same
+    iteration costs the pipeline a stage: the K/V copies then get one buffer, not two).
     """
     d1 = tl.arange(0, BLOCK_D1)
     d2 = D1 + tl.arange(0, BLOCK_D2)
     dv = tl.arange(0, BLOCK_DV)
-    # Paged: the block ids of the next tile are loaded one iteration ahead, so the K/V loads
-    # of a tile never wait on a table load issued in the same iteration.
+    ONE_ENTRY: tl.constexpr = PAGED and TILE_IN_BLOCK
     next_block = tl.zeros([BLOCK_N], dtype=tl.int32)
-    if PAGED:
+    next_entry = tl.zeros([], dtype=tl.int32)
+    if ONE_ENTRY:
+        next_entry = tl.load(table_ptr + lo // BS, mask=lo < hi, other=0)
+    elif PAGED:
         first = lo + tl.arange(0, BLOCK_N)
         logical = first // BS
         if RING:
@@ -123,7 +140,13 @@ def _attend(
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < hi
-        if PAGED:
+        if ONE_ENTRY:
+            block_id = next_entry.to(tl.int64)
+            ahead = start + BLOCK_N
+            next_entry = tl.load(table_ptr + ahead // BS, mask=ahead < hi, other=0)
+            k_off = block_id * stride_kn + (pos % BS) * stride_kb
+            v_off = block_id * stride_vn + (pos % BS) * stride_vb
+        elif PAGED:
             block = next_block.to(tl.int64)
             ahead = pos + BLOCK_N
             logical = ahead // BS
@@ -282,24 +305,30 @@ def _decode_kernel(
         acc, m_i, l_i, q1, q2, q_pos, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
         table_ptr + seq.to(tl.int64) * stride_tb, ring_len, split_lo, split_hi, window, qk_scale,
         stride_kn, stride_kb, stride_kd, stride_vn, stride_vb, stride_vd,
-        PAGED=True, SHARED_V=SHARED_V, BS=BS, RING=WINDOWED, CAUSAL=False, WINDOWED=False,
+        PAGED=True, TILE_IN_BLOCK=not WINDOWED and BS % BLOCK_N == 0, SHARED_V=SHARED_V, BS=BS,
+        RING=WINDOWED, CAUSAL=False, WINDOWED=False,
         D1=D1, D2=D2, DV=DV, BLOCK_N=BLOCK_N, BLOCK_D1=BLOCK_D1, BLOCK_D2=BLOCK_D2,
         BLOCK_DV=BLOCK_DV, PRECISION=PRECISION, UPCAST=UPCAST,
     )  # fmt: skip
 
-    dv = tl.arange(0, BLOCK_DV)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    store_mask = head_ok[:, None] & (dv < DV)[None, :]
+    # The tile is stored flat, its row and column indices derived here from one range, so the
+    # per-row indices of the query load do not stay live across the loop (in the widest tiles,
+    # MLA's 64 heads, ptxas would spill them).
+    flat = tl.arange(0, BLOCK_G * BLOCK_DV)
+    row = (tl.program_id(1) % HEAD_TILES) * BLOCK_G + flat // BLOCK_DV
+    col = flat % BLOCK_DV
+    store_mask = (row < GROUP) & (col < DV)
+    out = tl.reshape(out, [BLOCK_G * BLOCK_DV])
     if num_splits == 1:
-        o_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + head[:, None] * stride_oh
-        tl.store(
-            o_ptrs + dv[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=store_mask
-        )
+        o_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + (kv_head * GROUP + row) * stride_oh
+        tl.store(o_ptrs + col * stride_od, out.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
-        flat = (seq.to(tl.int64) * num_heads + head) * num_splits + split
-        tl.store(part_lse_ptr + flat, lse, mask=head_ok)
-        tl.store(part_out_ptr + flat[:, None] * DV + dv[None, :], out, mask=store_mask)
+        first = seq.to(tl.int64) * num_heads * num_splits
+        tl.store(part_lse_ptr + first + head * num_splits + split, lse, mask=head_ok)
+        part = (kv_head * GROUP + row) * num_splits + split
+        tl.store(part_out_ptr + first * DV + part * DV + col, out, mask=store_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -446,7 +475,8 @@ def _prefill_kernel(
         v_cache_ptr + kv_head * stride_vch, table_ptr + seq.to(tl.int64) * stride_tb, ring_len,
         lo, hi, window, qk_scale, stride_kcn, stride_kcb, stride_kcd, stride_vcn, stride_vcb,
         stride_vcd,
-        PAGED=True, SHARED_V=SHARED_V, BS=BS, RING=WINDOWED, CAUSAL=False, WINDOWED=WINDOWED,
+        PAGED=True, TILE_IN_BLOCK=False, SHARED_V=SHARED_V, BS=BS, RING=WINDOWED, CAUSAL=False,
+        WINDOWED=WINDOWED,
         D1=D1, D2=D2, DV=DV, BLOCK_N=BLOCK_N, BLOCK_D1=BLOCK_D1, BLOCK_D2=BLOCK_D2,
         BLOCK_DV=BLOCK_DV, PRECISION=PRECISION, UPCAST=UPCAST,
     )  # fmt: skip
@@ -461,17 +491,25 @@ def _prefill_kernel(
         acc, m_i, l_i, q1, q2, q_idx, k_ptr + first * stride_kt + kv_head * stride_kh,
         v_ptr + first * stride_vt + kv_head * stride_vh, table_ptr, ring_len,
         j_lo, j_hi, window, qk_scale, stride_kt, 0, stride_kd, stride_vt, 0, stride_vd,
-        PAGED=False, SHARED_V=SHARED_V_NEW, BS=BS, RING=False, CAUSAL=True, WINDOWED=WINDOWED,
+        PAGED=False, TILE_IN_BLOCK=False, SHARED_V=SHARED_V_NEW, BS=BS, RING=False, CAUSAL=True,
+        WINDOWED=WINDOWED,
         D1=D1, D2=D2, DV=DV, BLOCK_N=BLOCK_N, BLOCK_D1=BLOCK_D1, BLOCK_D2=BLOCK_D2,
         BLOCK_DV=BLOCK_DV, PRECISION=PRECISION, UPCAST=UPCAST,
     )  # fmt: skip
 
-    dv = tl.arange(0, BLOCK_DV)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    # Stored flat, as in decode: the row indices are derived anew from one range here.
+    flat = tl.arange(0, BLOCK_Q * BLOCK_G * BLOCK_DV)
+    row = flat // BLOCK_DV
+    col = flat % BLOCK_DV
+    q_idx = q0 + row // BLOCK_G
+    g = (tl.program_id(1) % HEAD_TILES) * BLOCK_G + row % BLOCK_G
     o_ptrs = (
-        out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :] * stride_od
+        out_ptr + (q_start + q_idx).to(tl.int64) * stride_ot + (kv_head * GROUP + g) * stride_oh
     )
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv < DV)[None, :])
+    mask = (q_idx < n) & (g < GROUP) & (col < DV)
+    out = tl.reshape(out, [BLOCK_Q * BLOCK_G * BLOCK_DV])
+    tl.store(o_ptrs + col * stride_od, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -521,37 +559,61 @@ def _dims(dk: int, dv: int) -> dict:
     return dict(D1=d1, D2=d2, DV=dv, BLOCK_D1=_pow2(d1), BLOCK_D2=_pow2(d2), BLOCK_DV=_pow2(dv))
 
 
-def decode_tile(dtype: torch.dtype, dk: int, group: int) -> Tile:
+def decode_tile(
+    dtype: torch.dtype, dk: int, group: int, block_size: int = 16, window: int = 0
+) -> Tile:
     """Default decode tile, from ``python -m bench.kernel_speed --sweep`` on an H100 (bf16;
     bench/results/), then held within shared memory and free of register spills on sm_90 and
     sm_80 by ``tests/kernels/test_kernel_variants.py``. fp32 dots run on FMA units, so fp32
-    tiles are smaller, and from 128 wide on take 8 warps (4 spill on sm_90). Wide keys (MLA's
-    576) take 32 heads per program on 8 warps, each latent row read once per 32 heads: a 64-head
-    program needs more registers than a thread has (its fp32 accumulator alone is 64 x 512)."""
+    tiles are smaller, and from 128 wide on take 8 warps (4 spill on sm_90).
+
+    Every tile has 3 stages: the next K/V tile is copied while the current one is multiplied
+    (2 stages copy and then wait, so a program's loads never overlap its math).
+
+    Wide keys (MLA's 576) take up to 64 heads per program on 8 warps, 16 keys a step, so each
+    latent row is read once per 64 heads (bench/results/mla-tiles-aot-2026-11-23.md). That
+    tile takes ~250 of a thread's 255 registers (its fp32 accumulator alone is 64 x 512 over
+    256 threads): it fits only where a step's 16 keys lie in one cache block, whose table
+    entry is then one scalar (``block_size`` a multiple of 16, no window ring); elsewhere, and
+    in fp32, 32 heads."""
     rows, width = min(_pow2(group), 64), _pow2(dk)
     if dtype == torch.float32:
-        return Tile(min(rows, 32), 32 if width <= 128 else 16, 4 if width <= 64 else 8)
+        return Tile(min(rows, 32), 32 if width <= 128 else 16, 4 if width <= 64 else 8, 3)
     if width > 256:
+        if rows > 32 and block_size % 16 == 0 and window == 0:
+            return Tile(rows, 16, 8, 3)
         return Tile(min(rows, 32), 32, 8, 3)
-    return Tile(rows, 64 if width <= 128 else 32, 4, 2)
+    return Tile(rows, 64 if width <= 128 else 32, 4, 3)
 
 
-def prefill_tile(dtype: torch.dtype, dk: int, dv: int) -> Tile:
+def prefill_tile(dtype: torch.dtype, dk: int, dv: int, group: int = 1) -> Tile:
     """Default prefill tile, sized by the ahead-of-time compile of
     ``tests/kernels/test_kernel_variants.py`` for sm_90 and sm_80: within shared memory, no
     register spills. Head dim 256 takes smaller tiles than its neighbours (16 fp32 rows; 16
     keys per step in 16-bit): the larger ones spill on sm_80, where ptxas gives 8 warps 128
-    registers each. MLA's keys (576) hold more, but its values are a view of them: no V tile."""
+    registers each. Tiles take 3 stages (the next K/V tile in flight during the math) except
+    16-bit head dims 64 and 256, whose tiles spill with 3 (on sm_80 and sm_90 respectively).
+
+    MLA's keys (576) hold more, but its values are a view of them: no V tile. With 64 or more
+    heads per KV head (DeepSeek's 128), a program takes 64 heads of one query, so each latent
+    row is read once per 64 heads (bench/results/mla-tiles-aot-2026-11-23.md); with fewer,
+    32 rows: the heads of several queries (16 heads: 2 queries). A 64-row tile of several
+    queries spills on sm_90 (its rows' positions and indices take the registers), and would
+    read each latent row as often as 64 heads of one query."""
     width = max(_pow2(dk), _pow2(dv))
     if dtype == torch.float32:
         if width == 256:
-            return Tile(16, 16, 4)
-        return Tile(32, 16, 4 if width <= 64 else 8)
+            return Tile(16, 16, 4, 3)
+        return Tile(32, 16, 4 if width <= 64 else 8, 3)
     if width <= 64:
         return Tile(64, 64, 4)
     if width <= 128:
-        return Tile(64, 32, 8)
-    return Tile(32, 16 if width == 256 else 32, 8)
+        return Tile(64, 32, 8, 3)
+    if width == 256:
+        return Tile(32, 16, 8)
+    if group >= 64:
+        return Tile(64, 16, 8, 3)
+    return Tile(32, 32, 8, 3)
 
 
 def _precision(dtype: torch.dtype) -> dict:
@@ -561,8 +623,9 @@ def _precision(dtype: torch.dtype) -> dict:
     return dict(PRECISION="ieee" if dtype == torch.float32 or upcast else "tf32", UPCAST=upcast)
 
 
-# Decode programs that stay resident on one SM at once (registers allow 4-8 of the default
-# tiles): the split plan aims to fill them, not just to give each SM one program.
+# Decode programs that stay resident on one SM at once (registers and the 3-stage K/V buffers
+# allow 3-5 of the default GQA tiles on an H100, 1 of MLA's): the split plan aims to fill them,
+# not just to give each SM one program.
 PROGRAMS_PER_SM = 4
 MAX_SPLITS = 128
 MIN_SPLIT_TOKENS = 128
@@ -634,7 +697,7 @@ def launch_plan(
     ``sms``: the multiprocessors to fill, by default ``device_sms`` of q's device."""
     num_kv_heads = k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
-    tile = tile or decode_tile(k_cache.dtype, q.shape[-1], group)
+    tile = tile or decode_tile(k_cache.dtype, q.shape[-1], group, k_cache.shape[1], window)
     head_tiles = triton.cdiv(group, tile.rows)
     if num_splits is None:
         sms = device_sms(q.device) if sms is None else sms
@@ -748,7 +811,7 @@ def prefill_launches(
         return out, []
     group = num_heads // num_kv_heads
     dims = _dims(dk, v_cache.shape[-1])
-    tile = tile or prefill_tile(k_cache.dtype, dk, v_cache.shape[-1])
+    tile = tile or prefill_tile(k_cache.dtype, dk, v_cache.shape[-1], group)
     block_g = min(triton.next_power_of_2(group), tile.rows)
     block_q = tile.rows // block_g
     head_tiles = triton.cdiv(group, block_g)

@@ -17,6 +17,8 @@ it prints one JSON document, ``{"skip": reason}`` or ``{"rows": [...]}`` with on
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -97,10 +99,10 @@ class Step:
         return len(self.decodes) + sum(n for _, n in self.prefills)
 
 
-def model_config(name: str):
+def model_config(name: str, **overrides):
     from models.config import ModelConfig
 
-    return ModelConfig(Path(name), MappingProxyType(MODELS[name]))
+    return ModelConfig(Path(name), MappingProxyType({**MODELS[name], **overrides}))
 
 
 def steps(max_len: int) -> Iterator[Step]:
@@ -130,7 +132,9 @@ def _metadata(step: Step, width: int, window: int):
     )
 
 
-def _layer_tensors(spec, num_heads: int, tokens: int, dtype: torch.dtype):
+def _layer_tensors(
+    spec, num_heads: int, tokens: int, dtype: torch.dtype, block_size: int = BLOCK_SIZE
+):
     """The per-layer caches as ``kv_spec`` lays them out (two blocks: the block count changes
     no stride), and q, k, v of ``tokens`` new tokens as the models hand them to attention."""
     from models.kv_spec import MLASpec
@@ -140,7 +144,7 @@ def _layer_tensors(spec, num_heads: int, tokens: int, dtype: torch.dtype):
         dk, dv, heads = spec.row_width, spec.kv_lora_rank, 1
     else:
         dk, dv, heads = spec.head_dim, spec.head_dim, spec.num_kv_heads
-    k_cache = torch.empty(2, BLOCK_SIZE, heads, dk, **new)
+    k_cache = torch.empty(2, block_size, heads, dk, **new)
     k = torch.empty(tokens, heads, dk, **new)
     if isinstance(spec, MLASpec):
         v_cache, v = k_cache[..., :dv], k[..., :dv]
@@ -206,6 +210,19 @@ class Resources:
     shared: int  # bytes per block: Triton's dynamic shared memory plus the cubin's static
     registers: int  # per thread
     stack: int  # stack frame bytes per thread: where ptxas puts the registers it spills
+    async_copies: int  # cp.async instructions in the PTX: global loads copied to shared memory
+    in_flight: int  # most copy groups a cp.async.wait_group leaves outstanding (0: none)
+
+
+def _async_copies(ptx: str) -> tuple[int, int]:
+    """(cp.async copies, the most groups any ``cp.async.wait_group N`` leaves in flight).
+
+    Triton's pipeliner issues a loop's copies ``num_stages - 1`` tiles ahead. With 2 stages the
+    loop waits for all of them (N = 0) before it computes; N >= 1 means a tile's copy is still
+    under way while the loop computes on the one before it."""
+    copies = len(re.findall(r"\bcp\.async\.c[ag]\.shared\.global\b", ptx))
+    waits = [int(n) for n in re.findall(r"\bcp\.async\.wait_group\s+(\d+)\s*;", ptx)]
+    return copies, max(waits, default=0)
 
 
 def _resource_usage(cubin: bytes) -> dict[str, int]:
@@ -249,14 +266,21 @@ class Specializer:
         )
         return Variant(kernel, signature, constexprs, attrs, options.__dict__)
 
-    def compile(self, variant: Variant) -> Resources:
+    def compiled(self, variant: Variant):
+        """Triton's compiled kernel (``asm`` holds its TTGIR, PTX and cubin)."""
         import triton
         from triton.compiler import ASTSource
 
         source = ASTSource(variant.kernel, variant.signature, variant.constexprs, variant.attrs)
-        compiled = triton.compile(source, target=self.target, options=variant.options)
+        return triton.compile(source, target=self.target, options=variant.options)
+
+    def compile(self, variant: Variant) -> Resources:
+        compiled = self.compiled(variant)
         used = _resource_usage(compiled.asm["cubin"])
-        return Resources(compiled.metadata.shared + used["SHARED"], used["REG"], used["STACK"])
+        copies, in_flight = _async_copies(compiled.asm["ptx"])
+        return Resources(
+            compiled.metadata.shared + used["SHARED"], used["REG"], used["STACK"], copies, in_flight
+        )
 
 
 def unavailable() -> str | None:
@@ -311,7 +335,7 @@ def collect(target_name: str) -> list[dict]:
         dict(
             model=model, dtype=dtype, target=target_name, group=group, kernel=kernel,
             variant=_variant_id(key), launches=launches, max_shared=target.max_shared,
-            **asdict(resources[key]),
+            num_stages=variants[key].options["num_stages"], **asdict(resources[key]),
         )
         for (model, dtype, group, kernel, key), launches in counts.items()
     ]  # fmt: skip
@@ -343,10 +367,126 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def ptxas_verbose(ptx: str, capability: int) -> dict[str, int]:
+    """``ptxas -v`` of Triton's PTX with the ptxas and flags Triton's NVIDIA backend uses
+    (``make_cubin``): registers, spill store and load bytes, stack frame bytes."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp, "kernel.ptx")
+        src.write_text(ptx)
+        command = [
+            get_ptxas(capability).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
+            f"--gpu-name={sm_arch_from_capability(capability)}", str(src), "-o", f"{src}.o",
+        ]  # fmt: skip
+        log = subprocess.run(command, capture_output=True, text=True, check=True).stderr
+    found = {
+        "registers": r"Used (\d+) registers",
+        "spill_stores": r"(\d+) bytes spill stores",
+        "spill_loads": r"(\d+) bytes spill loads",
+        "stack": r"(\d+) bytes stack frame",
+    }
+    return {k: int(re.search(pattern, log).group(1)) for k, pattern in found.items()}
+
+
+def _tile_launch(
+    model: str, kernel: str, dtype: torch.dtype, tile, sms: int, block_size: int, heads: int
+):
+    """The decode or prefill launch of the model's first KV-cache group with ``tile`` (and
+    ``heads`` query heads, if not 0)."""
+    from kernels import triton_attention
+    from models.loader import model_class
+
+    cfg = model_config(model, **({"num_attention_heads": heads} if heads else {}))
+    dtype_name = str(dtype).removeprefix("torch.")
+    spec = model_class(cfg).kv_cache_groups(cfg, dtype_name)[0].spec
+    (k_cache, v_cache), (q, k, v) = _layer_tensors(spec, cfg.num_heads, 4, dtype, block_size)
+    index = dict(dtype=torch.int32, device="meta")
+    tables, lens = torch.empty(4, 8, **index), torch.empty(4, **index)
+    if kernel == "decode":
+        _, launches = triton_attention.decode_launches(
+            q, k_cache, v_cache, tables, lens, 0.1, spec.window, tile=tile, sms=sms
+        )
+    else:
+        cu = torch.empty(5, **index)
+        _, launches = triton_attention.prefill_launches(
+            q, k, v, k_cache, v_cache, tables, cu, lens, 0.1, spec.window, tile=tile
+        )
+    return launches[0]
+
+
+def tile_usage(
+    target_name: str,
+    model: str,
+    kernel: str,
+    dtype_name: str,
+    tiles: list,
+    block_size: int = BLOCK_SIZE,
+    heads: int = 0,
+) -> str:
+    """Markdown: for each tile, the model's decode or prefill kernel compiled for the target,
+    with ``ptxas -v``'s registers and spills, the shared memory and the async copies."""
+    target = TARGETS[target_name]
+    specializer = Specializer(target.capability)
+    lines = [
+        "| heads/rows | keys/step | warps | stages | registers | spill stores/loads B "
+        "| stack B | shared B (limit) | cp.async | in flight |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for tile in tiles:
+        dtype = DTYPES[dtype_name]
+        launch = _tile_launch(model, kernel, dtype, tile, target.sms, block_size, heads)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # Triton prints failing PTX there
+                compiled = specializer.compiled(specializer.variant(launch))
+        except Exception as e:  # ptxas refuses a tile whose instructions need more registers
+            why = next((x for x in str(e).splitlines() if "fatal" in x), str(e).splitlines()[0])
+            why = re.sub(r"^.*?fatal\s*:\s*(\(\w+\)\s*)?", "", why).strip()
+            lines.append(
+                f"| {tile.rows} | {tile.block_n} | {tile.num_warps} | {tile.num_stages} "
+                f"| does not compile: {why} |||||"
+            )
+            continue
+        v = ptxas_verbose(compiled.asm["ptx"], target.capability)
+        shared = compiled.metadata.shared + _resource_usage(compiled.asm["cubin"])["SHARED"]
+        copies, in_flight = _async_copies(compiled.asm["ptx"])
+        lines.append(
+            f"| {tile.rows} | {tile.block_n} | {tile.num_warps} | {tile.num_stages} "
+            f"| {v['registers']} | {v['spill_stores']}/{v['spill_loads']} | {v['stack']} "
+            f"| {shared:,} ({target.max_shared:,}) | {copies} | {in_flight} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> None:
-    """``python -m tests.kernels.kernel_variants TARGET`` (a key of TARGETS)."""
+    """``python -m tests.kernels.kernel_variants TARGET`` (a key of TARGETS): every variant,
+    as JSON. ``... TARGET --tiles MODEL decode|prefill DTYPE ROWS:KEYS:WARPS:STAGES ...``: the
+    model's kernel compiled with each tile, as a markdown table (``ptxas -v`` figures), its
+    cache in blocks of ``--block-size`` tokens."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tests.kernels.kernel_variants")
+    parser.add_argument("target", choices=TARGETS)
+    parser.add_argument("--tiles", nargs="+", metavar="ARG")
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="with --tiles")
+    parser.add_argument(
+        "--heads", type=int, default=0, help="with --tiles: query heads (MLA: a rank's share)"
+    )
+    args = parser.parse_args(argv)
     why = unavailable()
-    print(json.dumps({"skip": why} if why else {"rows": collect(argv[0])}))
+    if args.tiles:
+        if why:
+            sys.exit(why)
+        from kernels.triton_attention import Tile
+
+        model, kernel, dtype_name, *specs = args.tiles
+        tiles = [Tile(*map(int, spec.split(":"))) for spec in specs]
+        usage = tile_usage(
+            args.target, model, kernel, dtype_name, tiles, args.block_size, args.heads
+        )
+        print(usage)
+        return
+    print(json.dumps({"skip": why} if why else {"rows": collect(args.target)}))
 
 
 if __name__ == "__main__":

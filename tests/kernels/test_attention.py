@@ -214,6 +214,7 @@ def test_decode_sliding_window_over_ring(window, block_size, num_splits):
         (576, 512, 16, torch.bfloat16, 3),
         (576, 512, 16, torch.float32, 20),  # the merge sums 512-wide outputs 8 splits a pass
         (80, 48, 128, torch.float32, 2),  # 128 heads in one group: several head tiles
+        (576, 512, 128, torch.bfloat16, 2),  # DeepSeek's shape: two 64-head tiles
     ],
 )
 def test_decode_mla_latent_view(dk, dv, num_heads, dtype, num_splits):
@@ -221,6 +222,18 @@ def test_decode_mla_latent_view(dk, dv, num_heads, dtype, num_splits):
         [1, 17, 200], num_kv_heads=1, group=num_heads, dk=dk, dv=dv, block_size=16,
         dtype=dtype, num_splits=num_splits, mla=True,
     )  # fmt: skip
+
+
+def test_mla_decode_tile_is_64_heads_where_a_step_is_one_cache_block():
+    # 64 heads fit a thread's registers only with one table entry per step (16 keys): block
+    # sizes that are multiples of 16 and no window ring; fp32 and the rest take 32.
+    tile = triton_attention.decode_tile
+    assert tile(torch.bfloat16, 576, 128) == triton_attention.Tile(64, 16, 8, 3)
+    assert tile(torch.float16, 576, 128, block_size=32).rows == 64
+    assert tile(torch.bfloat16, 576, 128, block_size=8).rows == 32
+    assert tile(torch.bfloat16, 576, 128, window=512).rows == 32
+    assert tile(torch.float32, 576, 128).rows == 32
+    assert tile(torch.bfloat16, 576, 16).rows == 16
 
 
 def test_decode_splits_more_than_blocks():
@@ -308,11 +321,19 @@ def test_prefill_sliding_window_over_ring(window, block_size):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize(("dk", "dv", "num_heads"), [(576, 512, 16), (80, 48, 128)])
-def test_prefill_mla_latent_view(dk, dv, num_heads):
+@pytest.mark.parametrize(
+    ("dk", "dv", "num_heads", "dtype"),
+    [
+        (576, 512, 16, torch.float32),
+        (80, 48, 128, torch.float32),
+        (576, 512, 16, torch.bfloat16),  # 32 rows: 16 heads of 2 queries
+        (576, 512, 128, torch.bfloat16),  # 64 rows: 64 heads of one query
+    ],
+)
+def test_prefill_mla_latent_view(dk, dv, num_heads, dtype):
     _run_prefill(
         [(0, 5), (17, 20), (40, 1)], num_kv_heads=1, group=num_heads, dk=dk, dv=dv,
-        block_size=16, dtype=torch.float32, mla=True,
+        block_size=16, dtype=dtype, mla=True,
     )  # fmt: skip
 
 

@@ -16,6 +16,9 @@ Bounds:
     prefill included. A spill in the loop of an attention kernel costs a local-memory round
     trip per key tile, the traffic the kernels exist to avoid, and every layout has a tile that
     does without: no bound above 0 is needed.
+  - pipelined K/V loads: every decode and prefill variant copies its K/V tiles to shared
+    memory with cp.async, and every one compiled with 3 or more stages (all decode variants
+    are) leaves the next tile's copies in flight while it computes on the current one.
   - variants: one per (model, dtype, KV-cache group, kernel). Every step (batch size, context
     length, number of decodes, table width) launches the variant the first step compiled, so a
     server compiles at most 5 kernels x cache groups per dtype, all of them in its first steps.
@@ -99,6 +102,24 @@ def test_every_variant_fits_the_targets_shared_memory(rows):
 def test_no_variant_spills_registers(rows):
     spilling = [r for r in rows if r["stack"] > 0]
     assert not spilling, kernel_variants.table(spilling)
+
+
+def test_attention_kernels_pipeline_their_kv_loads(rows):
+    # The K/V tiles are indirect loads (through the block table) that Triton's pipeliner turns
+    # into cp.async copies; with 3 stages the loop waits for all but the newest tile's copy
+    # groups (cp.async.wait_group N, N >= 1), so that tile's loads overlap the math.
+    def named(rs):
+        keys = ("model", "dtype", "target", "kernel", "num_stages", "async_copies", "in_flight")
+        return [tuple(r[k] for k in keys) for r in rs]
+
+    attention = [r for r in rows if r["kernel"] in ("_decode_kernel", "_prefill_kernel")]
+    synchronous = [r for r in attention if r["async_copies"] == 0]
+    assert not synchronous, named(synchronous)
+    decode = [r for r in attention if r["kernel"] == "_decode_kernel"]
+    shallow = [r for r in decode if r["num_stages"] < 3]
+    assert decode and not shallow, named(shallow)
+    serial = [r for r in attention if r["num_stages"] >= 3 and r["in_flight"] < 1]
+    assert not serial, named(serial)
 
 
 def test_one_variant_per_model_dtype_group_and_kernel(rows):
