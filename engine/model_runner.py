@@ -191,7 +191,8 @@ class ModelRunner:
         ids, positions, cu, prefix_lens, *per_group = to_device(flat, self.device)
         nd = out.num_decodes
         metas = []
-        for group, (tables, slots, lens) in zip(self.groups, zip(*[iter(per_group)] * 3)):
+        for gi, group in enumerate(self.groups):
+            tables, slots, lens = per_group[3 * gi : 3 * gi + 3]
             window = group.spec.window
             # One plan for the step's decodes, shared by every layer of the group.
             plan = self.backend.plan_decode(tables[:nd], lens[:nd], bs, window) if nd else None

@@ -504,5 +504,5 @@ def _records(table: list[list[float]], token_ids: list[int], ks: list[int]) -> l
 
 def logprobs_of(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
     """For each row of ``logits`` [n, V]: the logprob of its token and the ``k`` best."""
-    ids = _to(torch.tensor(token_ids, dtype=torch.long), logits.device)
+    ids = _index(token_ids, logits.device)
     return _records(_logprob_table(logits, ids, k).tolist(), token_ids, [k] * len(token_ids))
