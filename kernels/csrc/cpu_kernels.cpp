@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <omp.h>
 
 #include <cmath>
 #include <vector>
@@ -126,6 +127,19 @@ void many_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t n0,
   }
 }
 
+// Output features [n0, n1) of y [M, ldy] = x [M, K] w^T (+ bias): one thread's share.
+void linear_rows(const float* x, int64_t M, int64_t K, const float* w, const float* bias,
+                 int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  if (M <= FEW) {
+    few_rows(x, M, K, w, n0, n1, y, ldy);
+  } else {
+    many_rows(x, M, K, w, n0, n1, y, ldy);
+  }
+  if (bias != nullptr)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = n0; n < n1; ++n) y[m * ldy + n] += bias[n];
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
               "kvserve::linear takes float32");
@@ -140,17 +154,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   const float* xp = xc.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const at::Tensor bc = b.has_value() && b->defined() ? b->to(at::kFloat).contiguous() : at::Tensor();
+  const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
   // Each thread takes a contiguous run of output features (NR-aligned).
   const int64_t tiles = (N + NR - 1) / NR;
   at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
-    const int64_t n0 = t0 * NR, n1 = std::min(N, t1 * NR);
-    if (M <= FEW) {
-      few_rows(xp, M, K, wp, n0, n1, yp, N);
-    } else {
-      many_rows(xp, M, K, wp, n0, n1, yp, N);
-    }
+    linear_rows(xp, M, K, wp, bp, t0 * NR, std::min(N, t1 * NR), yp, N);
   });
-  if (b.has_value() && b->defined()) y.add_(*b);
   return y.view(sizes);
 }
 
@@ -204,6 +214,76 @@ inline float exp_shifted(float* s, int64_t n, float mx) {
   return total;
 }
 
+// The sums of eight vectors, as one vector: [sum(a[0]), ..., sum(a[7])].
+inline __m256 sum8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                       _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+constexpr int64_t AHEAD = 32;  // rows requested ahead of the first pass over a unit's rows
+
+// s[i] = dot(q, rows[i]) * scale for i < n, eight rows side by side so that their products
+// do not wait on each other. With `next` (the value rows, D_next floats each), the pass
+// requests the key and value rows AHEAD rows further while it reads these.
+void scores_of(const float* q, const float* const* rows, int64_t n, int64_t D, float scale,
+               float* s, const float* const* next, int64_t D_next) {
+  auto request = [](const float* row, int64_t d) {
+    for (int64_t c = 0; c < d * 4; c += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(row) + c, _MM_HINT_T0);
+  };
+  if (next != nullptr)
+    for (int64_t r = 0; r < std::min(n, AHEAD); ++r) request(rows[r], D), request(next[r], D_next);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    if (next != nullptr)
+      for (int64_t r = i + AHEAD; r < std::min(n, i + AHEAD + 8); ++r)
+        request(rows[r], D), request(next[r], D_next);
+    __m256 acc[8];
+    for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+      for (int r = 0; r < 8; ++r)
+        acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[i + r] + d), acc[r]);
+    }
+    _mm256_storeu_ps(s + i, _mm256_mul_ps(sum8(acc), _mm256_set1_ps(scale)));
+    for (; d < D; ++d)
+      for (int r = 0; r < 8; ++r) s[i + r] += q[d] * rows[i + r][d] * scale;
+  }
+  for (; i < n; ++i) s[i] = dot(q, rows[i], D) * scale;
+}
+
+// out[c .. c + 8V) = scale * sum_i p[i] rows[i][c .. c + 8V), held in V registers.
+template <int V>
+inline void weighted_cols(const float* p, const float* const* rows, int64_t n, int64_t c,
+                          float scale, float* out) {
+  __m256 acc[V];
+  for (int j = 0; j < V; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const __m256 pi = _mm256_set1_ps(p[i]);
+    const float* row = rows[i] + c;
+    for (int j = 0; j < V; ++j) acc[j] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(row + 8 * j), acc[j]);
+  }
+  for (int j = 0; j < V; ++j)
+    _mm256_storeu_ps(out + c + 8 * j, _mm256_mul_ps(acc[j], _mm256_set1_ps(scale)));
+}
+
+// out[D] = scale * sum_i p[i] rows[i], 64 columns per pass over the rows.
+void weighted_sum(const float* p, const float* const* rows, int64_t n, int64_t D, float scale,
+                  float* out) {
+  int64_t c = 0;
+  for (; c + 64 <= D; c += 64) weighted_cols<8>(p, rows, n, c, scale, out);
+  for (; c + 8 <= D; c += 8) weighted_cols<1>(p, rows, n, c, scale, out);
+  for (; c < D; ++c) {  // columns past the last multiple of 8 (none in practice)
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; ++i) sum += p[i] * rows[i][c];
+    out[c] = sum * scale;
+  }
+}
+
 void check_f32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32");
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
@@ -211,99 +291,105 @@ void check_f32(const at::Tensor& t, const char* name) {
 
 // Paged decode attention: one query token per sequence, its context read through the block
 // table (ring of W blocks with a window) from caches of any row stride (MLA's value is a view
-// of its key rows). q [B, Hq, Dk] -> [B, Hq, Dv]; softmax in float32, as the reference.
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                            const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, double scale, int64_t window) {
-  check_f32(q, "q");
+// of its key rows); softmax in float32, as the reference. The work is a set of units, each a
+// (sequence, KV head) with its group of query heads, which share each K and V row read; when
+// those are too few to occupy the threads, each query head is a unit.
+struct PagedAttention {
+  const float *q, *k, *v;  // q row b at q + b * q_stride, [Hq, Dk]
+  float* out;              // [B, Hq, Dv]
+  const int32_t *tables, *lens;
+  int64_t B, Hq, Hkv, G, Dk, Dv, bs, W, window, q_stride;
+  int64_t ks0, ks1, ks2, vs0, vs1, vs2;
+  float scale;
+  int64_t split = 1, per = 1;
+
+  PagedAttention(const float* q_, int64_t q_stride_, int64_t B_, int64_t Hq_,
+                 const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables_,
+                 const at::Tensor& lens_, float scale_, int64_t window_, float* out_,
+                 int64_t threads)
+      : q(q_), k(k_cache.data_ptr<float>()), v(v_cache.data_ptr<float>()), out(out_),
+        tables(tables_.data_ptr<int32_t>()), lens(lens_.data_ptr<int32_t>()), B(B_), Hq(Hq_),
+        Hkv(k_cache.size(2)), G(Hq_ / k_cache.size(2)), Dk(k_cache.size(3)),
+        Dv(v_cache.size(3)), bs(k_cache.size(1)), W(tables_.size(1)), window(window_),
+        q_stride(q_stride_), ks0(k_cache.stride(0)), ks1(k_cache.stride(1)),
+        ks2(k_cache.stride(2)), vs0(v_cache.stride(0)), vs1(v_cache.stride(1)),
+        vs2(v_cache.stride(2)), scale(scale_) {
+    split = B * Hkv >= 2 * threads ? 1 : G;
+    per = G / split;
+  }
+
+  int64_t units() const { return B * Hkv * split; }
+
+  struct Scratch {
+    std::vector<float> scores;
+    std::vector<const float*> krows, vrows;
+  };
+
+  void unit(int64_t u, Scratch& s) const {
+    const int64_t b = u / (Hkv * split), h = u / split % Hkv;
+    const int64_t hq0 = h * G + u % split * per;  // first query head of the unit
+    const int64_t len = lens[b];
+    const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    const int64_t span = len - first;
+    s.scores.resize(per * span);
+    s.krows.resize(span);
+    s.vrows.resize(span);
+    // Positions first .. len - 1, one table lookup per block (a ring of W with a window).
+    for (int64_t pos = first; pos < len;) {
+      const int64_t logical = window > 0 ? (pos / bs) % W : pos / bs;
+      const int64_t block = tables[b * W + logical], off = pos % bs;
+      const int64_t n = std::min(bs - off, len - pos);
+      for (int64_t j = 0; j < n; ++j) {
+        s.krows[pos - first + j] = k + block * ks0 + (off + j) * ks1 + h * ks2;
+        s.vrows[pos - first + j] = v + block * vs0 + (off + j) * vs1 + h * vs2;
+      }
+      pos += n;
+    }
+    for (int64_t g = 0; g < per; ++g) {
+      // The cache has usually left the CPU caches since the layer's last step (the weights
+      // streamed through them): the first head's pass requests the next rows ahead.
+      float* sg = s.scores.data() + g * span;
+      scores_of(q + b * q_stride + (hq0 + g) * Dk, s.krows.data(), span, Dk, scale, sg,
+                g == 0 ? s.vrows.data() : nullptr, Dv);
+      float mx = -INFINITY;
+      for (int64_t i = 0; i < span; ++i) mx = std::max(mx, sg[i]);
+      const float inv = 1.f / exp_shifted(sg, span, mx);
+      weighted_sum(sg, s.vrows.data(), span, Dv, inv, out + (b * Hq + hq0 + g) * Dv);
+    }
+  }
+};
+
+void check_paged(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t Hq,
+                 int64_t Dk) {
   check_f32(k_cache, "k_cache");
   check_f32(v_cache, "v_cache");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block tables and lengths must be int32");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(),
+              "block tables and lengths must be contiguous");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "cache rows must be dense");
+  TORCH_CHECK(Hq % k_cache.size(2) == 0 && k_cache.size(3) == Dk,
+              "head shapes do not match the cache");
+}
+
+// q [B, Hq, Dk] -> [B, Hq, Dv].
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale, int64_t window) {
+  check_f32(q, "q");
   auto qc = q.contiguous();
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   const int64_t B = qc.size(0), Hq = qc.size(1), Dk = qc.size(2);
-  const int64_t Hkv = k_cache.size(2), Dv = v_cache.size(3), bs = k_cache.size(1);
-  const int64_t W = tables.size(1), G = Hq / Hkv;
-  TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(3) == Dk, "head shapes do not match the cache");
-  auto out = at::empty({B, Hq, Dv}, qc.options());
-  const float* qp = qc.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  const int32_t* tp = tables.data_ptr<int32_t>();
-  const int32_t* lp = lens.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks2 = k_cache.stride(2);
-  const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
-  const float sc = static_cast<float>(scale);
-  // A unit is a (sequence, KV head) with its group of query heads, which share each K and V
-  // row read; when those are too few to occupy the threads, each query head is a unit.
-  const int64_t split = B * Hkv >= 2 * at::get_num_threads() ? 1 : G, per = G / split;
-  at::parallel_for(0, B * Hkv * split, 1, [&](int64_t u0, int64_t u1) {
-    std::vector<float> scores;
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t b = u / (Hkv * split), h = u / split % Hkv;
-      const int64_t hq0 = h * G + u % split * per;  // first query head of the unit
-      const int64_t len = lp[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t span = len - first;
-      scores.resize(per * span);
-      // Positions first .. len - 1 run block by block: one table lookup per block. The cache
-      // has usually left the CPU caches since the layer's last step (the weights streamed
-      // through them), so the next block's rows are requested while this one is read.
-      auto for_rows = [&](const float* base, int64_t s0, int64_t s1, int64_t s2, int64_t d,
-                          auto&& fn) {
-        auto block_of = [&](int64_t pos) {
-          const int64_t logical = window > 0 ? (pos / bs) % W : pos / bs;
-          return base + tp[b * W + logical] * s0 + h * s2;
-        };
-        for (int64_t pos = first; pos < len;) {
-          const int64_t off = pos % bs, n = std::min(bs - off, len - pos);
-          const float* rows = block_of(pos);
-          if (pos + n < len) {
-            const char* next = reinterpret_cast<const char*>(block_of(pos + n));
-            const int64_t m = std::min(bs, len - pos - n);
-            for (int64_t j = 0; j < m; ++j)
-              for (int64_t c = 0; c < d * 4; c += 64)
-                _mm_prefetch(next + j * s1 * 4 + c, _MM_HINT_T0);
-          }
-          for (int64_t j = 0; j < n; ++j) fn(pos - first + j, rows + (off + j) * s1);
-          pos += n;
-        }
-      };
-      const float* qu = qp + (b * Hq + hq0) * Dk;
-      for_rows(kp, ks0, ks1, ks2, Dk, [&](int64_t i, const float* krow) {
-        for (int64_t g = 0; g < per; ++g) scores[g * span + i] = dot(qu + g * Dk, krow, Dk) * sc;
-      });
-      for (int64_t g = 0; g < per; ++g) {
-        float* sg = scores.data() + g * span;
-        float* ou = op + (b * Hq + hq0 + g) * Dv;
-        float mx = -INFINITY;
-        for (int64_t i = 0; i < span; ++i) mx = std::max(mx, sg[i]);
-        const float inv = 1.f / exp_shifted(sg, span, mx);
-        // out = sum_i p_i v_i, 32 columns at a time held in registers.
-        for (int64_t c = 0; c < Dv; c += 32) {
-          const int64_t vecs = std::min<int64_t>(32, Dv - c) / 8;
-          __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                           _mm256_setzero_ps()};
-          for_rows(vp + c, vs0, vs1, vs2, std::min<int64_t>(32, Dv - c), [&](int64_t i, const float* vrow) {
-            const __m256 p = _mm256_set1_ps(sg[i]);
-            for (int64_t j = 0; j < vecs; ++j)
-              acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + 8 * j), acc[j]);
-          });
-          for (int64_t j = 0; j < vecs; ++j)
-            _mm256_storeu_ps(ou + c + 8 * j, _mm256_mul_ps(acc[j], _mm256_set1_ps(inv)));
-          // Columns past the last multiple of 8 (head sizes are multiples of 8 in practice).
-          for (int64_t col = c + 8 * vecs; col < std::min(Dv, c + 32); ++col) {
-            float sum = 0.f;
-            for_rows(vp + col, vs0, vs1, vs2, 1, [&](int64_t i, const float* v) { sum += sg[i] * *v; });
-            ou[col] = sum * inv;
-          }
-        }
-      }
-    }
+  check_paged(k_cache, v_cache, tables, lens, Hq, Dk);
+  auto out = at::empty({B, Hq, v_cache.size(3)}, qc.options());
+  const PagedAttention attn(qc.data_ptr<float>(), Hq * Dk, B, Hq, k_cache, v_cache, tables,
+                            lens, static_cast<float>(scale), window, out.data_ptr<float>(),
+                            at::get_num_threads());
+  at::parallel_for(0, attn.units(), 1, [&](int64_t u0, int64_t u1) {
+    PagedAttention::Scratch scratch;
+    for (int64_t u = u0; u < u1; ++u) attn.unit(u, scratch);
   });
   return out;
 }
@@ -367,7 +453,45 @@ void rotate_keys(at::Tensor cache, const at::Tensor& blocks, const at::Tensor& c
   });
 }
 
-// RMSNorm over the last dimension: x * rsqrt(mean(x^2) + eps) * (w + offset).
+// RMSNorm of one row of D: y = x * rsqrt(mean(x^2) + eps) * (w + offset); y may be x.
+inline void norm_row(const float* x, const float* w, int64_t D, double eps, float offset,
+                     float* y) {
+  const float inv = 1.f / std::sqrt(dot(x, x, D) / D + static_cast<float>(eps));
+  for (int64_t i = 0; i < D; ++i) y[i] = x[i] * inv * (w[i] + offset);
+}
+
+// Rotary embedding of one head's row of D in the half-split layout, in place; c, s [D].
+inline void rope_row(float* x, const float* c, const float* s, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t j = 0; j < half; ++j) {
+    const float a = x[j], b = x[j + half];
+    x[j] = a * c[j] - b * s[j];
+    x[j + half] = b * c[j + half] + a * s[j + half];
+  }
+}
+
+// y[i] = act(g[i]) * u[i] for i < n; act 0 = silu, 1 = gelu (tanh approximation).
+inline void gate_row(const float* g, const float* u, int64_t n, int64_t act, float* y) {
+  // silu(v) = v / (1 + exp(-v)); gelu_tanh(v) = v / (1 + exp(-2k(v + 0.044715 v^3))),
+  // k = sqrt(2 / pi) (0.5 (1 + tanh(z)) is 1 / (1 + exp(-2z))).
+  const __m256 one = _mm256_set1_ps(1.f), c0 = _mm256_set1_ps(-1.5957691216057308f),
+               c1 = _mm256_set1_ps(0.044715f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(g + i);
+    __m256 z = _mm256_sub_ps(_mm256_setzero_ps(), v);
+    if (act != 0) z = _mm256_mul_ps(c0, _mm256_fmadd_ps(_mm256_mul_ps(c1, v), _mm256_mul_ps(v, v), v));
+    const __m256 a = _mm256_div_ps(v, _mm256_add_ps(one, exp8(z)));
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(a, _mm256_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) {
+    const float v = g[i];
+    const float z = act == 0 ? -v : -1.5957691216057308f * (v + 0.044715f * v * v * v);
+    y[i] = v / (1.f + std::exp(z)) * u[i];
+  }
+}
+
+// RMSNorm over the last dimension.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, double offset) {
   check_f32(x, "x");
   check_f32(w, "weight");
@@ -381,12 +505,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, double
   float* op = out.data_ptr<float>();
   const float off = static_cast<float>(offset);
   at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = xp + r * D;
-      float* yr = op + r * D;
-      const float inv = 1.f / std::sqrt(dot(xr, xr, D) / D + static_cast<float>(eps));
-      for (int64_t i = 0; i < D; ++i) yr[i] = xr[i] * inv * (wp[i] + off);
-    }
+    for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * D, wp, D, eps, off, op + r * D);
   });
   return out;
 }
@@ -397,24 +516,14 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   auto xc = x.contiguous();
   auto c = cos.to(at::kFloat).contiguous();
   auto s = sin.to(at::kFloat).contiguous();
-  const int64_t T = xc.size(0), H = xc.size(1), D = xc.size(2), half = D / 2;
+  const int64_t T = xc.size(0), H = xc.size(1), D = xc.size(2);
   TORCH_CHECK(c.size(0) == T && c.size(1) == D, "cos/sin must be [T, head_dim]");
-  auto out = at::empty_like(xc);
-  const float* xp = xc.data_ptr<float>();
+  auto out = xc.clone();
   const float* cp = c.data_ptr<float>();
   const float* sp = s.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, T * H, 256, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* xr = xp + i * D;
-      const float* cr = cp + (i / H) * D;
-      const float* sr = sp + (i / H) * D;
-      float* yr = op + i * D;
-      for (int64_t j = 0; j < half; ++j) {
-        yr[j] = xr[j] * cr[j] - xr[j + half] * sr[j];
-        yr[j + half] = xr[j + half] * cr[j + half] + xr[j] * sr[j + half];
-      }
-    }
+    for (int64_t i = i0; i < i1; ++i) rope_row(op + i * D, cp + (i / H) * D, sp + (i / H) * D, D);
   });
   return out;
 }
@@ -430,39 +539,38 @@ at::Tensor gated_act(const at::Tensor& h, int64_t act) {
   const float* hp = hc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* g = hp + r * 2 * I;
-      const float* u = g + I;
-      float* y = op + r * I;
-      // silu(v) = v / (1 + exp(-v)); gelu_tanh(v) = v / (1 + exp(-2k(v + 0.044715 v^3))),
-      // k = sqrt(2 / pi) (0.5 (1 + tanh(z)) is 1 / (1 + exp(-2z))).
-      const __m256 one = _mm256_set1_ps(1.f), c0 = _mm256_set1_ps(-1.5957691216057308f),
-                   c1 = _mm256_set1_ps(0.044715f);
-      int64_t i = 0;
-      for (; i + 8 <= I; i += 8) {
-        const __m256 v = _mm256_loadu_ps(g + i);
-        __m256 z = _mm256_sub_ps(_mm256_setzero_ps(), v);
-        if (act != 0) z = _mm256_mul_ps(c0, _mm256_fmadd_ps(_mm256_mul_ps(c1, v), _mm256_mul_ps(v, v), v));
-        const __m256 a = _mm256_div_ps(v, _mm256_add_ps(one, exp8(z)));
-        _mm256_storeu_ps(y + i, _mm256_mul_ps(a, _mm256_loadu_ps(u + i)));
-      }
-      for (; i < I; ++i) {
-        const float v = g[i];
-        const float z = act == 0 ? -v : -1.5957691216057308f * (v + 0.044715f * v * v * v);
-        y[i] = v / (1.f + std::exp(z)) * u[i];
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r) gate_row(hp + r * 2 * I, hp + r * 2 * I + I, I, act, op + r * I);
   });
   return out;
 }
 
-// One pre-norm decoder layer for a step of decodes only (one new token per sequence), by the
-// kernels above in one call, so that the layer costs one dispatch instead of a dozen:
+// One pre-norm decoder layer for a step of decodes only (one new token per sequence):
 //   h = x + [post_attn_norm](o_proj(attention(rope([q|k]_norm(qkv_proj(norm1(x)))))))
 //   y = h + [post_mlp_norm](down(act(gate) * up)(norm2(h)))
 // Bracketed norms are optional (Gemma 3 has them, Llama not); all norms share eps and offset.
 // It mirrors the modules of models/llama.py and models/gemma3.py, which stay the reference;
 // slots, block tables and lengths are those of the layer's cache group.
+//
+// The whole layer is one parallel region: each thread owns a share of every matrix's output
+// features, and the phases between are separated by barriers, not by forking the threads
+// again, nor by allocating each intermediate (about a tenth of the layer's time at batch 1).
+
+struct Matrix {
+  const float* w;
+  const float* bias;  // or nullptr
+  int64_t N, K;
+};
+
+inline const float* opt(const c10::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? t->data_ptr<float>() : nullptr;
+}
+
+// Thread t's share [n0, n1) of n features, in pieces of 8 (whole cache lines of output).
+inline std::pair<int64_t, int64_t> share(int64_t n, int64_t t, int64_t nt) {
+  const int64_t pieces = (n + 7) / 8;
+  return {std::min(n, pieces * t / nt * 8), std::min(n, pieces * (t + 1) / nt * 8)};
+}
+
 at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& norm1, const at::Tensor& qkv_w,
                          const c10::optional<at::Tensor>& qkv_b,
@@ -476,20 +584,139 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::T
                          const at::Tensor& block_tables, const at::Tensor& seq_lens, double eps,
                          double offset, double scale, int64_t num_heads, int64_t act,
                          int64_t window) {
-  const int64_t B = x.size(0), Hkv = k_cache.size(2), D = k_cache.size(3);
-  const int64_t nq = num_heads * D, nkv = Hkv * D;
-  auto norm = [&](const at::Tensor& t, const c10::optional<at::Tensor>& w) {
-    return w.has_value() && w->defined() ? ::rms_norm(t, *w, eps, offset) : t;
-  };
-  auto qkv = ::linear(::rms_norm(x, norm1, eps, offset), qkv_w, qkv_b);
-  auto q = ::rope(norm(qkv.narrow(1, 0, nq).view({B, num_heads, D}), q_norm), cos, sin);
-  auto k = ::rope(norm(qkv.narrow(1, nq, nkv).view({B, Hkv, D}), k_norm), cos, sin);
-  ::write_cache(k_cache, k, slots);
-  ::write_cache(v_cache, qkv.narrow(1, nq + nkv, nkv).view({B, Hkv, D}), slots);
-  auto attn = ::decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window);
-  auto h = norm(::linear(attn.view({B, nq}), o_w, o_b), post_attn_norm).add_(x);
-  auto g = ::gated_act(::linear(::rms_norm(h, norm2, eps, offset), gate_up_w, {}), act);
-  return norm(::linear(g, down_w, {}), post_mlp_norm).add_(h);
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [B, hidden] matrix");
+  const int64_t B = x.size(0), H = x.size(1), Hq = num_heads, Hkv = k_cache.size(2);
+  const int64_t D = k_cache.size(3), nq = Hq * D, nkv = Hkv * D, nqkv = nq + 2 * nkv;
+  const int64_t I = down_w.size(1);
+  check_paged(k_cache, v_cache, block_tables, seq_lens, Hq, D);
+  TORCH_CHECK(v_cache.size(3) == D && k_cache.stride(2) == D && v_cache.stride(2) == D,
+              "the layer's cache slots must be dense [heads, head_dim] rows");
+  TORCH_CHECK(qkv_w.size(0) == nqkv && qkv_w.size(1) == H && o_w.size(0) == H &&
+                  o_w.size(1) == nq && gate_up_w.size(0) == 2 * I && gate_up_w.size(1) == H &&
+                  down_w.size(0) == H,
+              "the layer's weights do not have the shapes of its heads and hidden size");
+  for (const at::Tensor* w : {&norm1, &qkv_w, &o_w, &norm2, &gate_up_w, &down_w})
+    TORCH_CHECK(w->scalar_type() == at::kFloat && w->is_contiguous(),
+                "the layer's weights must be contiguous float32");
+  const auto c = cos.to(at::kFloat).contiguous(), s = sin.to(at::kFloat).contiguous();
+  TORCH_CHECK(c.size(0) == B && c.size(1) == D, "cos/sin must be [B, head_dim]");
+  const auto sl = slots.to(at::kLong).contiguous();
+  TORCH_CHECK(sl.numel() == B, "one slot per sequence");
+
+  // Scratch: normed input, q|k|v, attention output, h, normed h, gate|up, act.
+  auto buf = at::empty({B * (H + nqkv + nq + H + H + 2 * I + I)}, x.options());
+  float* xn = buf.data_ptr<float>();
+  float* qkv = xn + B * H;
+  float* attn = qkv + B * nqkv;
+  float* h = attn + B * nq;
+  float* hn = h + B * H;
+  float* gu = hn + B * H;
+  float* a = gu + B * 2 * I;
+  auto out = at::empty({B, H}, x.options());
+  float* y = out.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const float *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>();
+  const int64_t* slot = sl.data_ptr<int64_t>();
+  const float off = static_cast<float>(offset);
+  const float *qn = opt(q_norm), *kn = opt(k_norm), *pan = opt(post_attn_norm),
+              *pmn = opt(post_mlp_norm);
+  const Matrix qkv_m{qkv_w.data_ptr<float>(), opt(qkv_b), nqkv, H};
+  const Matrix o_m{o_w.data_ptr<float>(), opt(o_b), H, nq};
+  const Matrix gu_m{gate_up_w.data_ptr<float>(), nullptr, 2 * I, H};
+  const Matrix down_m{down_w.data_ptr<float>(), nullptr, H, I};
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t cap = k_cache.size(0) * k_cache.size(1), bs = k_cache.size(1);
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(slot[b] < cap, "slot ", slot[b], " is outside the cache");
+  const int64_t threads = at::get_num_threads();
+  const PagedAttention paged(qkv, nqkv, B, Hq, k_cache, v_cache, block_tables, seq_lens,
+                             static_cast<float>(scale), window, attn, threads);
+
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    auto rows = [&](int64_t n) {  // this thread's share of n rows or tasks, one at a time
+      return std::make_pair(n * t / nt, n * (t + 1) / nt);
+    };
+    auto norm_rows = [&](const float* in, const float* w, float* o) {
+      auto [r0, r1] = rows(B);
+      for (int64_t r = r0; r < r1; ++r) norm_row(in + r * H, w, H, eps, off, o + r * H);
+    };
+    auto multiply = [&](const Matrix& m, const float* in, float* o) {  // this thread's share
+      auto [n0, n1] = share(m.N, t, nt);
+      linear_rows(in, B, m.K, m.w, m.bias, n0, n1, o, m.N);
+    };
+
+    norm_rows(xp, norm1.data_ptr<float>(), xn);
+#pragma omp barrier
+    multiply(qkv_m, xn, qkv);
+#pragma omp barrier
+    // Per head row: q and k normed (Gemma) and rotated, k and v written to the cache.
+    {
+      auto [i0, i1] = rows(B * (Hq + Hkv));
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = i / (Hq + Hkv), head = i % (Hq + Hkv);
+        float* row = qkv + b * nqkv + (head < Hq ? head * D : nq + (head - Hq) * D);
+        const float* w = head < Hq ? qn : kn;
+        if (w != nullptr) norm_row(row, w, D, eps, off, row);
+        rope_row(row, cp + b * D, sp + b * D, D);
+        if (head >= Hq && slot[b] >= 0) {
+          const int64_t kh = head - Hq, at_k = (slot[b] / bs) * k_cache.stride(0) +
+                                                 (slot[b] % bs) * k_cache.stride(1) + kh * D;
+          const int64_t at_v = (slot[b] / bs) * v_cache.stride(0) +
+                               (slot[b] % bs) * v_cache.stride(1) + kh * D;
+          std::copy_n(row, D, kc + at_k);
+          std::copy_n(row + nkv, D, vc + at_v);
+        }
+      }
+    }
+#pragma omp barrier
+    {
+      auto [u0, u1] = rows(paged.units());
+      PagedAttention::Scratch scratch;
+      for (int64_t u = u0; u < u1; ++u) paged.unit(u, scratch);
+    }
+#pragma omp barrier
+    multiply(o_m, attn, h);
+    if (pan != nullptr) {
+#pragma omp barrier
+      norm_rows(h, pan, h);
+    }
+#pragma omp barrier
+    {
+      auto [r0, r1] = rows(B);
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t i = 0; i < H; ++i) h[r * H + i] += xp[r * H + i];
+        norm_row(h + r * H, norm2.data_ptr<float>(), H, eps, off, hn + r * H);
+      }
+    }
+#pragma omp barrier
+    {
+      // Gate and up features j and I + j belong to the same thread, which applies the
+      // activation to its share at once.
+      auto [j0, j1] = share(I, t, nt);
+      linear_rows(hn, B, H, gu_m.w, nullptr, j0, j1, gu, 2 * I);
+      linear_rows(hn, B, H, gu_m.w, nullptr, I + j0, I + j1, gu, 2 * I);
+      for (int64_t r = 0; r < B; ++r)
+        gate_row(gu + r * 2 * I + j0, gu + r * 2 * I + I + j0, j1 - j0, act, a + r * I + j0);
+    }
+#pragma omp barrier
+    multiply(down_m, a, y);
+    if (pmn != nullptr) {
+#pragma omp barrier
+      auto [r0, r1] = rows(B);
+      for (int64_t r = r0; r < r1; ++r) {
+        norm_row(y + r * H, pmn, H, eps, off, y + r * H);
+        for (int64_t i = 0; i < H; ++i) y[r * H + i] += h[r * H + i];
+      }
+    } else {
+      auto [n0, n1] = share(H, t, nt);
+      for (int64_t r = 0; r < B; ++r)
+        for (int64_t i = n0; i < n1; ++i) y[r * H + i] += h[r * H + i];
+    }
+  }
+  return out;
 }
 
 }  // namespace

@@ -183,21 +183,37 @@ def tiny_gemma3_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def tiny_biased_llama_dir(tmp_path_factory):
+    from tests.helpers import save_tiny_llama
+
+    path = tmp_path_factory.mktemp("tiny-biased-llama")
+    save_tiny_llama(path, attention_bias=True)
+    return path
+
+
 @pytest.mark.parametrize(
-    "model,layer,window,lens",
+    "model,layer,window,lens,threads",
     [
-        ("llama", 1, 0, [1]),
-        ("llama", 1, 0, [5, 33, 17, 8]),
-        ("gemma3", 0, 32, [70, 9, 33]),  # a sliding-window layer over its ring
-        ("gemma3", 1, 0, [40, 2]),
+        ("llama", 1, 0, [1], None),
+        ("llama", 1, 0, [5, 33, 17, 8], None),
+        ("llama", 1, 0, [5, 33, 17, 8], 3),  # shares of uneven sizes
+        ("llama", 0, 0, [3 * i + 1 for i in range(13)], None),  # past FEW rows: the tiles
+        ("biased_llama", 1, 0, [9, 1, 30], 1),
+        ("gemma3", 0, 32, [70, 9, 33], None),  # a sliding-window layer over its ring
+        ("gemma3", 1, 0, [40, 2], None),
     ],
 )
 def test_a_fused_decoder_layer_matches_the_modules_and_writes_the_same_cache(
-    request, model, layer, window, lens
+    request, model, layer, window, lens, threads
 ):
     from kernels.paged import AttentionMetadata, ForwardContext
     from models.layers import rope_cos_sin, rope_inv_freq
 
+    if threads is not None:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        request.addfinalizer(lambda: torch.set_num_threads(before))
     cfg, plain, fast = _plain_and_fast(request.getfixturevalue(f"tiny_{model}_dir"))
     bs, n_layers, b = 8, cfg.num_layers, len(lens)
     k_cache, v_cache, tables, seq_lens = _paged(
@@ -206,6 +222,8 @@ def test_a_fused_decoder_layer_matches_the_modules_and_writes_the_same_cache(
     pos = seq_lens.long() - 1  # each sequence's new token
     logical = pos // bs % tables.shape[1] if window else pos // bs
     slots = tables[torch.arange(b), logical].long() * bs + pos % bs
+    if b > 1:
+        slots[1] = -1  # a token whose K/V is not kept (the scheduler's -1)
     meta = AttentionMetadata(
         slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, prefix_lens=seq_lens - 1,
         cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32), num_decodes=b, window=window,
