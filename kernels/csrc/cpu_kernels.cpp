@@ -13,7 +13,9 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include <atomic>
 #include <cmath>
+#include <memory>
 #include <vector>
 #include <torch/library.h>
 
@@ -127,6 +129,42 @@ void many_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t n0,
   }
 }
 
+// A matrix's output features in chunks that the threads claim. Each thread starts with its
+// own share (a contiguous run of weight rows, read front to back) and then takes what is left
+// of the others', so that a thread whose memory reads ran slower this time does not keep the
+// others waiting at the next barrier for more than one chunk. `next` holds a zeroed counter per
+// thread (chunks of its share taken so far).
+constexpr int64_t CHUNK_BYTES = 65536;
+
+struct Chunks {
+  int64_t n, size, nt;
+  std::atomic<int64_t>* next;
+
+  Chunks(int64_t n_, int64_t size_, int64_t nt_, std::atomic<int64_t>* next_)
+      : n(n_), size(size_), nt(nt_), next(next_) {}
+
+  template <class F>
+  void run(int64_t t, F&& f) const {
+    const int64_t total = (n + size - 1) / size;
+    for (int64_t i = 0; i < nt; ++i) {
+      const int64_t s = (t + i) % nt;  // its own share first
+      const int64_t c0 = total * s / nt, c1 = total * (s + 1) / nt;
+      for (int64_t c; (c = c0 + next[s].fetch_add(1, std::memory_order_relaxed)) < c1;)
+        f(c * size, std::min(n, (c + 1) * size));
+    }
+  }
+};
+
+// Weight rows of K floats per chunk: a multiple of 8, about CHUNK_BYTES.
+inline int64_t chunk_rows(int64_t K) { return std::max<int64_t>(8, CHUNK_BYTES / (K * 4) / 8 * 8); }
+
+// Zeroed counters for `matrices` uses of Chunks by `threads` threads.
+inline std::unique_ptr<std::atomic<int64_t>[]> counters(int64_t matrices, int64_t threads) {
+  std::unique_ptr<std::atomic<int64_t>[]> c(new std::atomic<int64_t>[matrices * threads]);
+  for (int64_t i = 0; i < matrices * threads; ++i) c[i].store(0, std::memory_order_relaxed);
+  return c;
+}
+
 // Output features [n0, n1) of y [M, ldy] = x [M, K] w^T (+ bias): one thread's share.
 void linear_rows(const float* x, int64_t M, int64_t K, const float* w, const float* bias,
                  int64_t n0, int64_t n1, float* y, int64_t ldy) {
@@ -156,11 +194,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   float* yp = y.data_ptr<float>();
   const at::Tensor bc = b.has_value() && b->defined() ? b->to(at::kFloat).contiguous() : at::Tensor();
   const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
-  // Each thread takes a contiguous run of output features (NR-aligned).
-  const int64_t tiles = (N + NR - 1) / NR;
-  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
-    linear_rows(xp, M, K, wp, bp, t0 * NR, std::min(N, t1 * NR), yp, N);
-  });
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (N + 15) / 16);
+  const auto next = counters(1, threads);
+#pragma omp parallel num_threads(threads)
+  {
+    const Chunks chunks(N, chunk_rows(K), omp_get_num_threads(), next.get());
+    chunks.run(omp_get_thread_num(), [&](int64_t n0, int64_t n1) {
+      linear_rows(xp, M, K, wp, bp, n0, n1, yp, N);
+    });
+  }
   return y.view(sizes);
 }
 
@@ -565,11 +607,6 @@ inline const float* opt(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? t->data_ptr<float>() : nullptr;
 }
 
-// Thread t's share [n0, n1) of n features, in pieces of 8 (whole cache lines of output).
-inline std::pair<int64_t, int64_t> share(int64_t n, int64_t t, int64_t nt) {
-  const int64_t pieces = (n + 7) / 8;
-  return {std::min(n, pieces * t / nt * 8), std::min(n, pieces * (t + 1) / nt * 8)};
-}
 
 at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& norm1, const at::Tensor& qkv_w,
@@ -632,6 +669,7 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::T
   const int64_t threads = at::get_num_threads();
   const PagedAttention paged(qkv, nqkv, B, Hq, k_cache, v_cache, block_tables, seq_lens,
                              static_cast<float>(scale), window, attn, threads);
+  const auto next = counters(5, threads);
 
 #pragma omp parallel num_threads(threads)
   {
@@ -643,14 +681,18 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::T
       auto [r0, r1] = rows(B);
       for (int64_t r = r0; r < r1; ++r) norm_row(in + r * H, w, H, eps, off, o + r * H);
     };
-    auto multiply = [&](const Matrix& m, const float* in, float* o) {  // this thread's share
-      auto [n0, n1] = share(m.N, t, nt);
-      linear_rows(in, B, m.K, m.w, m.bias, n0, n1, o, m.N);
+    // The i-th matrix of the layer, in chunks; f(n0, n1) after each chunk's rows are written.
+    auto multiply = [&](int64_t i, const Matrix& m, const float* in, float* o, auto&& f) {
+      Chunks(m.N, chunk_rows(m.K), nt, next.get() + i * threads).run(t, [&](int64_t n0, int64_t n1) {
+        linear_rows(in, B, m.K, m.w, m.bias, n0, n1, o, m.N);
+        f(n0, n1);
+      });
     };
+    auto nothing = [](int64_t, int64_t) {};
 
     norm_rows(xp, norm1.data_ptr<float>(), xn);
 #pragma omp barrier
-    multiply(qkv_m, xn, qkv);
+    multiply(0, qkv_m, xn, qkv, nothing);
 #pragma omp barrier
     // Per head row: q and k normed (Gemma) and rotated, k and v written to the cache.
     {
@@ -673,12 +715,13 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::T
     }
 #pragma omp barrier
     {
-      auto [u0, u1] = rows(paged.units());
       PagedAttention::Scratch scratch;
-      for (int64_t u = u0; u < u1; ++u) paged.unit(u, scratch);
+      Chunks(paged.units(), 1, nt, next.get() + 4 * threads).run(t, [&](int64_t u, int64_t) {
+        paged.unit(u, scratch);
+      });
     }
 #pragma omp barrier
-    multiply(o_m, attn, h);
+    multiply(1, o_m, attn, h, nothing);
     if (pan != nullptr) {
 #pragma omp barrier
       norm_rows(h, pan, h);
@@ -693,17 +736,18 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::T
     }
 #pragma omp barrier
     {
-      // Gate and up features j and I + j belong to the same thread, which applies the
-      // activation to its share at once.
-      auto [j0, j1] = share(I, t, nt);
-      linear_rows(hn, B, H, gu_m.w, nullptr, j0, j1, gu, 2 * I);
-      linear_rows(hn, B, H, gu_m.w, nullptr, I + j0, I + j1, gu, 2 * I);
-      for (int64_t r = 0; r < B; ++r)
-        gate_row(gu + r * 2 * I + j0, gu + r * 2 * I + I + j0, j1 - j0, act, a + r * I + j0);
+      // Gate and up features j and I + j belong to the same chunk, whose thread applies the
+      // activation at once.
+      Chunks(I, chunk_rows(H), nt, next.get() + 2 * threads).run(t, [&](int64_t j0, int64_t j1) {
+        linear_rows(hn, B, H, gu_m.w, nullptr, j0, j1, gu, 2 * I);
+        linear_rows(hn, B, H, gu_m.w, nullptr, I + j0, I + j1, gu, 2 * I);
+        for (int64_t r = 0; r < B; ++r)
+          gate_row(gu + r * 2 * I + j0, gu + r * 2 * I + I + j0, j1 - j0, act, a + r * I + j0);
+      });
     }
 #pragma omp barrier
-    multiply(down_m, a, y);
     if (pmn != nullptr) {
+      multiply(3, down_m, a, y, nothing);
 #pragma omp barrier
       auto [r0, r1] = rows(B);
       for (int64_t r = r0; r < r1; ++r) {
@@ -711,9 +755,10 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::T
         for (int64_t i = 0; i < H; ++i) y[r * H + i] += h[r * H + i];
       }
     } else {
-      auto [n0, n1] = share(H, t, nt);
-      for (int64_t r = 0; r < B; ++r)
-        for (int64_t i = n0; i < n1; ++i) y[r * H + i] += h[r * H + i];
+      multiply(3, down_m, a, y, [&](int64_t n0, int64_t n1) {
+        for (int64_t r = 0; r < B; ++r)
+          for (int64_t i = n0; i < n1; ++i) y[r * H + i] += h[r * H + i];
+      });
     }
   }
   return out;
