@@ -1,7 +1,8 @@
 """CPU serving speed next to its roofline, and next to the peers on the same box.
 
     python -m bench.cpu [--model smollm2-135m-instruct] [--prompts 16] [--concurrency 1 8]
-        [--servers kvserve llama.cpp-f32 llama.cpp-q4_1 vllm-cpu-fp32] [--out PREFIX]
+        [--servers kvserve llama.cpp-f32 llama.cpp-q4_1 vllm-cpu-fp32] [--rounds 1]
+        [--out PREFIX]
     python -m bench.cpu --linear [--rows 1 2 4 8 16 32 64 128]
 
 Measures the box's memory read bandwidth (a sum over 1 GiB, all torch threads), then starts each
@@ -12,7 +13,9 @@ skipped when absent. Per server: decode tok/s of one stream (1000 / mean TPOT), 
 of the roofline (read bandwidth / weight bytes read per step), mean TTFT of one stream, and the
 total output tok/s at each higher concurrency. Each pass draws its own prompts (seed +
 concurrency), so no server answers from a prompt cache filled by an earlier pass. Compare
-figures of the same run only: the box's bandwidth moves from run to run.
+figures of the same run only: the box's bandwidth moves from run to run, and within a run
+(another tenant's load); ``--rounds N`` runs the servers in turn N times and reports each
+figure's median, so that a slow minute does not decide the comparison.
 
 ``--linear`` times the linear layers of the model's shapes alone: ``kernels.cpu.linear`` against
 ``F.linear`` by input rows (where ``kernels.cpu.MAX_ROWS`` comes from).
@@ -159,6 +162,18 @@ def run_server(server: Server, port: int, args: argparse.Namespace, log_dir: Pat
             proc.wait()
 
 
+def median_passes(rounds: list[dict]) -> dict:
+    """Per concurrency, the median of each figure over the rounds (failures summed)."""
+    merged = {}
+    for c in rounds[0]:
+        runs = [r[c] for r in rounds]
+        merged[c] = {k: statistics.median(r[k] for r in runs)
+                     for k in ("output_tok_s", "ttft_ms", "tpot_ms")}  # fmt: skip
+        merged[c].update(failed=sum(r["failed"] for r in runs),
+                         completed=sum(r["completed"] for r in runs))  # fmt: skip
+    return merged
+
+
 def table(results: dict, bandwidth: float, step_bytes: dict[str, int], conc: list[int]) -> str:
     higher = [c for c in conc if c != 1]
     head = ["server (weights)", "1 stream decode tok/s", "% of roofline", "TTFT ms"]
@@ -196,23 +211,33 @@ def bench_servers(args: argparse.Namespace) -> int:
     )
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    results = {}
-    for name in args.servers:
-        server = available[name]
-        if isinstance(server, str):
-            print(f"{name}: skipped, {server}", flush=True)
-            continue
-        start = time.perf_counter()
-        passes = run_server(server, args.port, args, log_dir)
-        results[name] = {"weights": server.weights, "passes": passes} if "error" not in passes \
-            else {"weights": server.weights, **passes}  # fmt: skip
-        print(f"{name}: {passes} ({time.perf_counter() - start:.0f} s)", flush=True)
-        bandwidth.append(box_bandwidth())
+    results, rounds = {}, {}
+    for i in range(args.rounds):
+        for name in args.servers:
+            server = available[name]
+            if isinstance(server, str):
+                if i == 0:
+                    print(f"{name}: skipped, {server}", flush=True)
+                continue
+            if "error" in results.get(name, {}):
+                continue
+            start = time.perf_counter()
+            passes = run_server(server, args.port, args, log_dir)
+            print(f"{name} (round {i + 1}): {passes} ({time.perf_counter() - start:.0f} s)",
+                  flush=True)  # fmt: skip
+            if "error" in passes:
+                results[name] = {"weights": server.weights, **passes}
+                continue
+            rounds.setdefault(name, []).append(passes)
+            results[name] = {"weights": server.weights, "passes": median_passes(rounds[name]),
+                             "rounds": rounds[name]}  # fmt: skip
+            bandwidth.append(box_bandwidth())
     bw = statistics.median(bandwidth)
     text = table(results, bw, step_bytes, args.concurrency)
     print(f"\nread bandwidth {bw / 1e9:.1f} GB/s (median of {len(bandwidth)} measurements, "
           f"{min(bandwidth) / 1e9:.1f}–{max(bandwidth) / 1e9:.1f}); {args.prompts} prompts of "
-          f"{args.input_len} tokens, {args.output_len} out, per pass\n\n{text}")  # fmt: skip
+          f"{args.input_len} tokens, {args.output_len} out, per pass; servers in turn, "
+          f"{args.rounds} round(s), medians\n\n{text}")  # fmt: skip
     if args.out:
         _write(args, results, bandwidth, step_bytes, text)
     return 0
@@ -285,6 +310,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1, help="servers in turn N times; medians")
     p.add_argument("--port", type=int, default=8199)
     p.add_argument("--kvserve-args", nargs=argparse.REMAINDER, default=[],
                    help="the rest of the line goes to `kvserve serve`")  # fmt: skip
