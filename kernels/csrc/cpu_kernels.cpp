@@ -268,21 +268,22 @@ inline __m256 sum8(const __m256* a) {
 constexpr int64_t AHEAD = 32;  // rows requested ahead of the first pass over a unit's rows
 
 // s[i] = dot(q, rows[i]) * scale for i < n, eight rows side by side so that their products
-// do not wait on each other. With `next` (the value rows, D_next floats each), the pass
-// requests the key and value rows AHEAD rows further while it reads these.
+// do not wait on each other. With `next` (the value rows), the pass requests `ahead` floats
+// from each key row and `ahead_next` from each value row AHEAD rows further as it goes.
 void scores_of(const float* q, const float* const* rows, int64_t n, int64_t D, float scale,
-               float* s, const float* const* next, int64_t D_next) {
+               float* s, int64_t ahead, const float* const* next, int64_t ahead_next) {
   auto request = [](const float* row, int64_t d) {
     for (int64_t c = 0; c < d * 4; c += 64)
       _mm_prefetch(reinterpret_cast<const char*>(row) + c, _MM_HINT_T0);
   };
   if (next != nullptr)
-    for (int64_t r = 0; r < std::min(n, AHEAD); ++r) request(rows[r], D), request(next[r], D_next);
+    for (int64_t r = 0; r < std::min(n, AHEAD); ++r)
+      request(rows[r], ahead), request(next[r], ahead_next);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     if (next != nullptr)
       for (int64_t r = i + AHEAD; r < std::min(n, i + AHEAD + 8); ++r)
-        request(rows[r], D), request(next[r], D_next);
+        request(rows[r], ahead), request(next[r], ahead_next);
     __m256 acc[8];
     for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
     int64_t d = 0;
@@ -334,8 +335,10 @@ void check_f32(const at::Tensor& t, const char* name) {
 // Paged decode attention: one query token per sequence, its context read through the block
 // table (ring of W blocks with a window) from caches of any row stride (MLA's value is a view
 // of its key rows); softmax in float32, as the reference. The work is a set of units, each a
-// (sequence, KV head) with its group of query heads, which share each K and V row read; when
-// those are too few to occupy the threads, each query head is a unit.
+// sequence's context or a part of it, all heads: a slot's heads are adjacent in the cache, so
+// a unit reads whole blocks front to back. When the sequences are too few to occupy the
+// threads (a batch of one), each context is cut into parts whose partial softmax results
+// (max, sum and normalized output per query head) are merged after, as flash-decoding does.
 struct PagedAttention {
   const float *q, *k, *v;  // q row b at q + b * q_stride, [Hq, Dk]
   float* out;              // [B, Hq, Dv]
@@ -343,7 +346,10 @@ struct PagedAttention {
   int64_t B, Hq, Hkv, G, Dk, Dv, bs, W, window, q_stride;
   int64_t ks0, ks1, ks2, vs0, vs1, vs2;
   float scale;
-  int64_t split = 1, per = 1;
+  int64_t parts = 1;
+  at::Tensor partial;  // [units, Hq, 2 + Dv]: max, sum, output; only with parts > 1
+
+  static constexpr int64_t MIN_PART = 32;  // positions
 
   PagedAttention(const float* q_, int64_t q_stride_, int64_t B_, int64_t Hq_,
                  const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables_,
@@ -356,11 +362,16 @@ struct PagedAttention {
         q_stride(q_stride_), ks0(k_cache.stride(0)), ks1(k_cache.stride(1)),
         ks2(k_cache.stride(2)), vs0(v_cache.stride(0)), vs1(v_cache.stride(1)),
         vs2(v_cache.stride(2)), scale(scale_) {
-    split = B * Hkv >= 2 * threads ? 1 : G;
-    per = G / split;
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; ++b) longest = std::max<int64_t>(longest, span(b));
+    const int64_t wanted = (2 * threads + B - 1) / std::max<int64_t>(1, B);
+    parts = std::max<int64_t>(1, std::min(wanted, longest / MIN_PART));
+    if (parts > 1) partial = at::empty({units() * Hq * (2 + Dv)}, at::kFloat);
   }
 
-  int64_t units() const { return B * Hkv * split; }
+  int64_t units() const { return B * parts; }
+  int64_t first(int64_t b) const { return window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0; }
+  int64_t span(int64_t b) const { return lens[b] - first(b); }
 
   struct Scratch {
     std::vector<float> scores;
@@ -368,35 +379,64 @@ struct PagedAttention {
   };
 
   void unit(int64_t u, Scratch& s) const {
-    const int64_t b = u / (Hkv * split), h = u / split % Hkv;
-    const int64_t hq0 = h * G + u % split * per;  // first query head of the unit
-    const int64_t len = lens[b];
-    const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-    const int64_t span = len - first;
-    s.scores.resize(per * span);
-    s.krows.resize(span);
-    s.vrows.resize(span);
-    // Positions first .. len - 1, one table lookup per block (a ring of W with a window).
-    for (int64_t pos = first; pos < len;) {
+    const int64_t b = u / parts, part = u % parts;
+    const int64_t whole = span(b), lo = first(b) + whole * part / parts;
+    const int64_t hi = first(b) + whole * (part + 1) / parts, n = hi - lo;
+    s.scores.resize(n);
+    s.krows.resize(n);
+    s.vrows.resize(n);
+    // Head 0's rows of positions lo .. hi - 1, one table lookup per block (a ring of W with a
+    // window); each further head's rows are these moved by the head stride.
+    for (int64_t pos = lo; pos < hi;) {
       const int64_t logical = window > 0 ? (pos / bs) % W : pos / bs;
       const int64_t block = tables[b * W + logical], off = pos % bs;
-      const int64_t n = std::min(bs - off, len - pos);
-      for (int64_t j = 0; j < n; ++j) {
-        s.krows[pos - first + j] = k + block * ks0 + (off + j) * ks1 + h * ks2;
-        s.vrows[pos - first + j] = v + block * vs0 + (off + j) * vs1 + h * vs2;
+      const int64_t m = std::min(bs - off, hi - pos);
+      for (int64_t j = 0; j < m; ++j) {
+        s.krows[pos - lo + j] = k + block * ks0 + (off + j) * ks1;
+        s.vrows[pos - lo + j] = v + block * vs0 + (off + j) * vs1;
       }
-      pos += n;
+      pos += m;
     }
-    for (int64_t g = 0; g < per; ++g) {
-      // The cache has usually left the CPU caches since the layer's last step (the weights
-      // streamed through them): the first head's pass requests the next rows ahead.
-      float* sg = s.scores.data() + g * span;
-      scores_of(q + b * q_stride + (hq0 + g) * Dk, s.krows.data(), span, Dk, scale, sg,
-                g == 0 ? s.vrows.data() : nullptr, Dv);
-      float mx = -INFINITY;
-      for (int64_t i = 0; i < span; ++i) mx = std::max(mx, sg[i]);
-      const float inv = 1.f / exp_shifted(sg, span, mx);
-      weighted_sum(sg, s.vrows.data(), span, Dv, inv, out + (b * Hq + hq0 + g) * Dv);
+    for (int64_t h = 0; h < Hkv; ++h) {
+      if (h > 0)
+        for (int64_t i = 0; i < n; ++i) s.krows[i] += ks2, s.vrows[i] += vs2;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t hq = h * G + g;
+        // The cache has usually left the CPU caches since the layer's last step (the weights
+        // streamed through them): the first pass requests every head's rows ahead.
+        const bool ahead = h == 0 && g == 0;
+        scores_of(q + b * q_stride + hq * Dk, s.krows.data(), n, Dk, scale, s.scores.data(),
+                  ahead ? (Hkv - 1) * ks2 + Dk : 0, ahead ? s.vrows.data() : nullptr,
+                  (Hkv - 1) * vs2 + Dv);
+        float mx = -INFINITY;
+        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s.scores[i]);
+        const float sum = n > 0 ? exp_shifted(s.scores.data(), n, mx) : 0.f;
+        float* o = out + (b * Hq + hq) * Dv;
+        if (parts > 1) {
+          float* p = partial.data_ptr<float>() + (u * Hq + hq) * (2 + Dv);
+          p[0] = mx, p[1] = sum, o = p + 2;
+        }
+        weighted_sum(s.scores.data(), s.vrows.data(), n, Dv, sum > 0 ? 1.f / sum : 0.f, o);
+      }
+    }
+  }
+
+  // Query heads' rows of the output (B * Hq of them) from the parts, when there are parts.
+  int64_t rows_to_merge() const { return parts > 1 ? B * Hq : 0; }
+
+  void merge(int64_t row) const {
+    const int64_t b = row / Hq, hq = row % Hq, stride = Hq * (2 + Dv);  // part to part
+    const float* p0 = partial.data_ptr<float>() + (b * parts * Hq + hq) * (2 + Dv);
+    float mx = -INFINITY, total = 0.f;
+    for (int64_t i = 0; i < parts; ++i) mx = std::max(mx, p0[i * stride]);
+    for (int64_t i = 0; i < parts; ++i) total += p0[i * stride + 1] * std::exp(p0[i * stride] - mx);
+    float* o = out + row * Dv;
+    std::fill_n(o, Dv, 0.f);
+    for (int64_t i = 0; i < parts; ++i) {
+      const float* p = p0 + i * stride;
+      if (p[1] == 0.f) continue;  // an empty part
+      const float w = p[1] * std::exp(p[0] - mx) / total;
+      for (int64_t c = 0; c < Dv; ++c) o[c] += w * p[2 + c];
     }
   }
 };
@@ -432,6 +472,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   at::parallel_for(0, attn.units(), 1, [&](int64_t u0, int64_t u1) {
     PagedAttention::Scratch scratch;
     for (int64_t u = u0; u < u1; ++u) attn.unit(u, scratch);
+  });
+  at::parallel_for(0, attn.rows_to_merge(), 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) attn.merge(r);
   });
   return out;
 }
@@ -721,6 +764,11 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::T
       });
     }
 #pragma omp barrier
+    if (paged.rows_to_merge() > 0) {
+      auto [r0, r1] = rows(paged.rows_to_merge());
+      for (int64_t r = r0; r < r1; ++r) paged.merge(r);
+#pragma omp barrier
+    }
     multiply(1, o_m, attn, h, nothing);
     if (pan != nullptr) {
 #pragma omp barrier

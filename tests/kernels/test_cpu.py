@@ -65,7 +65,14 @@ def _paged(lens, bs, heads, dim, window, seed):
 
 @pytest.mark.parametrize(
     "lens,hq,hkv,window",
-    [([1], 4, 4, 0), ([5, 33, 17], 9, 3, 0), ([40, 7, 64], 8, 1, 0), ([70, 9], 4, 2, 24)],
+    [
+        ([1], 4, 4, 0),
+        ([5, 33, 17], 9, 3, 0),
+        ([40, 7, 64], 8, 1, 0),
+        ([70, 9], 4, 2, 24),
+        ([300], 9, 3, 0),  # one sequence: its context in parts, merged
+        ([257], 4, 1, 100),  # in parts over a window's ring
+    ],
 )
 def test_decode_attention_matches_reference(lens, hq, hkv, window):
     k_cache, v_cache, tables, seq_lens = _paged(lens, 8, hkv, 64, window, seed=len(lens))
@@ -196,6 +203,7 @@ def tiny_biased_llama_dir(tmp_path_factory):
     "model,layer,window,lens,threads",
     [
         ("llama", 1, 0, [1], None),
+        ("llama", 1, 0, [150], None),  # attention over parts of the context
         ("llama", 1, 0, [5, 33, 17, 8], None),
         ("llama", 1, 0, [5, 33, 17, 8], 3),  # shares of uneven sizes
         ("llama", 0, 0, [3 * i + 1 for i in range(13)], None),  # past FEW rows: the tiles
