@@ -9,6 +9,7 @@ Shapes (T new tokens, B sequences, N blocks, bs block size):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -131,13 +132,16 @@ def prefill_attention(
     prefix_lens: torch.Tensor,
     scale: float,
     window: int = 0,
+    attend: Callable = None,
 ) -> torch.Tensor:
     """Chunks of new tokens attending causally to themselves and to their cached prefix.
 
     q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv] are the new tokens (read from these tensors,
     not from the cache); sequence i owns rows cu_seqlens_q[i]:cu_seqlens_q[i+1], at positions
     prefix_lens[i] + j. The prefix [0, prefix_len) is read through the block table.
+    ``attend(q, k, v, scale, mask)`` computes each chunk's attention (default: ``_attend``).
     """
+    attend = attend or _attend
     out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
     bounds = cu_seqlens_q.tolist()
     for i, prefix in enumerate(prefix_lens.tolist()):
@@ -154,5 +158,5 @@ def prefill_attention(
         mask = pos_k[None, :] <= pos_q[:, None]
         if window > 0:
             mask &= pos_k[None, :] > pos_q[:, None] - window
-        out[lo:hi] = _attend(q[lo:hi], k_all, v_all, scale, mask)
+        out[lo:hi] = attend(q[lo:hi], k_all, v_all, scale, mask)
     return out

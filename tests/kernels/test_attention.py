@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
+from kernels.backend import get_backend
 
 triton_attention = pytest.importorskip("kernels.triton_attention")
 
@@ -281,6 +282,8 @@ def _run_prefill(
     actual = triton_attention.prefill_attention(*args)
     assert actual.shape == (total, hq, dv)
     _assert_close(actual, expected, dtype)
+    if DEVICE == "cpu":  # the CPU backend's prefill (torch's fused attention at float32)
+        _assert_close(get_backend("cpu", torch.device("cpu")).prefill(*args), expected, dtype)
 
 
 def _ragged_chunks(block_size: int) -> list[tuple[int, int]]:
