@@ -132,7 +132,7 @@ def prefill_attention(
     prefix_lens: torch.Tensor,
     scale: float,
     window: int = 0,
-    attend: Callable = None,
+    attend: Callable | None = None,
 ) -> torch.Tensor:
     """Chunks of new tokens attending causally to themselves and to their cached prefix.
 

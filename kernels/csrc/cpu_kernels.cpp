@@ -479,6 +479,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   return out;
 }
 
+// The start of a cache's row for flat slot `slot` (block slot / bs, offset slot % bs).
+inline float* slot_row(at::Tensor& cache, int64_t slot) {
+  const int64_t bs = cache.size(1);
+  return cache.data_ptr<float>() + (slot / bs) * cache.stride(0) + (slot % bs) * cache.stride(1);
+}
+
 // cache [N, bs, H, D] (each slot's [H, D] dense) at flat slots <- rows [T, H, D]; -1 skipped.
 void write_cache(at::Tensor cache, const at::Tensor& rows, const at::Tensor& slots) {
   check_f32(cache, "cache");
@@ -487,17 +493,15 @@ void write_cache(at::Tensor cache, const at::Tensor& rows, const at::Tensor& slo
   auto r = rows.to(at::kFloat).contiguous();
   auto sl = slots.to(at::kLong).contiguous();
   const int64_t T = r.size(0), row = r.numel() / std::max<int64_t>(T, 1);
-  const int64_t bs = cache.size(1);
   TORCH_CHECK(row == cache.size(2) * cache.size(3), "rows do not match the cache's slots");
-  float* cp = cache.data_ptr<float>();
   const float* rp = r.data_ptr<float>();
   const int64_t* sp = sl.data_ptr<int64_t>();
-  const int64_t s0 = cache.stride(0), s1 = cache.stride(1), n = cache.size(0) * bs;
+  const int64_t n = cache.size(0) * cache.size(1);
   for (int64_t t = 0; t < T; ++t) {
     const int64_t slot = sp[t];
     if (slot < 0) continue;
     TORCH_CHECK(slot < n, "slot ", slot, " is outside the cache");
-    std::copy_n(rp + t * row, row, cp + (slot / bs) * s0 + (slot % bs) * s1);
+    std::copy_n(rp + t * row, row, slot_row(cache, slot));
   }
 }
 
@@ -636,9 +640,10 @@ at::Tensor gated_act(const at::Tensor& h, int64_t act) {
 // It mirrors the modules of models/llama.py and models/gemma3.py, which stay the reference;
 // slots, block tables and lengths are those of the layer's cache group.
 //
-// The whole layer is one parallel region: each thread owns a share of every matrix's output
-// features, and the phases between are separated by barriers, not by forking the threads
-// again, nor by allocating each intermediate (about a tenth of the layer's time at batch 1).
+// The whole layer is one parallel region: the matrices go in Chunks, and the phases between
+// are separated by barriers, not by forking the threads again, nor by allocating each
+// intermediate (about a tenth of the layer's time at batch 1). Counters 0, 1, 2 and 3 are the
+// matrices' (q|k|v, o, gate|up, down), 4 the attention units'.
 
 struct Matrix {
   const float* w;
@@ -647,9 +652,11 @@ struct Matrix {
 };
 
 inline const float* opt(const c10::optional<at::Tensor>& t) {
-  return t.has_value() && t->defined() ? t->data_ptr<float>() : nullptr;
+  if (!t.has_value() || !t->defined()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(),
+              "the layer's weights must be contiguous float32");
+  return t->data_ptr<float>();
 }
-
 
 at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& norm1, const at::Tensor& qkv_w,
@@ -703,11 +710,9 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::T
               *pmn = opt(post_mlp_norm);
   const Matrix qkv_m{qkv_w.data_ptr<float>(), opt(qkv_b), nqkv, H};
   const Matrix o_m{o_w.data_ptr<float>(), opt(o_b), H, nq};
-  const Matrix gu_m{gate_up_w.data_ptr<float>(), nullptr, 2 * I, H};
+  const float* gate_up = gate_up_w.data_ptr<float>();
   const Matrix down_m{down_w.data_ptr<float>(), nullptr, H, I};
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  const int64_t cap = k_cache.size(0) * k_cache.size(1), bs = k_cache.size(1);
+  const int64_t cap = k_cache.size(0) * k_cache.size(1);
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(slot[b] < cap, "slot ", slot[b], " is outside the cache");
   const int64_t threads = at::get_num_threads();
   const PagedAttention paged(qkv, nqkv, B, Hq, k_cache, v_cache, block_tables, seq_lens,
@@ -747,12 +752,8 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::T
         if (w != nullptr) norm_row(row, w, D, eps, off, row);
         rope_row(row, cp + b * D, sp + b * D, D);
         if (head >= Hq && slot[b] >= 0) {
-          const int64_t kh = head - Hq, at_k = (slot[b] / bs) * k_cache.stride(0) +
-                                                 (slot[b] % bs) * k_cache.stride(1) + kh * D;
-          const int64_t at_v = (slot[b] / bs) * v_cache.stride(0) +
-                               (slot[b] % bs) * v_cache.stride(1) + kh * D;
-          std::copy_n(row, D, kc + at_k);
-          std::copy_n(row + nkv, D, vc + at_v);
+          std::copy_n(row, D, slot_row(k_cache, slot[b]) + (head - Hq) * D);
+          std::copy_n(row + nkv, D, slot_row(v_cache, slot[b]) + (head - Hq) * D);
         }
       }
     }
@@ -787,8 +788,8 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::T
       // Gate and up features j and I + j belong to the same chunk, whose thread applies the
       // activation at once.
       Chunks(I, chunk_rows(H), nt, next.get() + 2 * threads).run(t, [&](int64_t j0, int64_t j1) {
-        linear_rows(hn, B, H, gu_m.w, nullptr, j0, j1, gu, 2 * I);
-        linear_rows(hn, B, H, gu_m.w, nullptr, I + j0, I + j1, gu, 2 * I);
+        linear_rows(hn, B, H, gate_up, nullptr, j0, j1, gu, 2 * I);
+        linear_rows(hn, B, H, gate_up, nullptr, I + j0, I + j1, gu, 2 * I);
         for (int64_t r = 0; r < B; ++r)
           gate_row(gu + r * 2 * I + j0, gu + r * 2 * I + I + j0, j1 - j0, act, a + r * I + j0);
       });
