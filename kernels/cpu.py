@@ -107,15 +107,18 @@ def gated_act(h: torch.Tensor, activation: str) -> torch.Tensor:
     return _ops().gated_act(h, ACTIVATIONS[activation])
 
 
-def decoder_layer(x, cos, sin, weights: tuple, k_cache, v_cache, meta, config: tuple):
-    """A pre-norm decoder layer for a step of decodes only, in one call (see the C++ source):
-    ``weights`` norm1, qkv weight and bias, q_norm, k_norm, o weight and bias, post-attention
-    norm, norm2, gate_up weight, down weight, post-MLP norm (optional ones None); ``meta`` the
-    layer's ``AttentionMetadata``; ``config`` (eps, norm offset, scale, num_heads, activation)."""
+def decoder_layers(x, rope: list, weights: list, caches: list, metas: list, config: tuple):
+    """Pre-norm decoder layers for a step of decodes only, in one call (see the C++ source).
+    Per layer: ``rope`` its (cos, sin), ``caches`` its (k_cache, v_cache), ``metas`` its group's
+    ``AttentionMetadata``, and twelve entries of ``weights``: norm1, qkv weight and bias, q_norm,
+    k_norm, o weight and bias, post-attention norm, norm2, gate_up weight, down weight, post-MLP
+    norm (optional ones None). ``config`` (eps, norm offset, scale, num_heads, activation)."""
     eps, offset, scale, heads, act = config
-    return _ops().decoder_layer(
-        x, cos, sin, *weights, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
-        meta.seq_lens, eps, offset, scale, heads, ACTIVATIONS[act], meta.window,
+    return _ops().decoder_layers(
+        x, [c for c, _ in rope], [s for _, s in rope], weights, [k for k, _ in caches],
+        [v for _, v in caches], [m.slot_mapping for m in metas], [m.block_tables for m in metas],
+        [m.seq_lens for m in metas], [m.window for m in metas], eps, offset, scale, heads,
+        ACTIVATIONS[act],
     )  # fmt: skip
 
 

@@ -19,7 +19,14 @@ from kernels.paged import ForwardContext
 from kernels.rotary import RopeLayout
 from models.config import ModelConfig
 from models.kv_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
-from models.layers import DecoderLayer, GatedMLP, RMSNorm, apply_rope, rope_cos_sin
+from models.layers import (
+    DecoderLayer,
+    GatedMLP,
+    RMSNorm,
+    apply_rope,
+    fused_decode,
+    rope_cos_sin,
+)
 from models.llama import LlamaAttention
 from models.loader import load_by_name
 
@@ -105,9 +112,6 @@ class Gemma3DecoderLayer(DecoderLayer):
         )
 
     def forward(self, x, cos, sin, ctx):
-        out = self.fused_decode(x, cos, sin, ctx)
-        if out is not None:
-            return out
         attn = self.self_attn(self.input_layernorm(x), cos, sin, ctx)
         x = x + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(x))
@@ -186,10 +190,14 @@ class Gemma3ForCausalLM(nn.Module):
             kind: rope_cos_sin(positions, getattr(self, f"{kind}_inv_freq"), x.dtype)
             for kind in (FULL, SLIDING)
         }
-        for i, layer in enumerate(self.model.layers):
-            cos, sin = rope[self._rope_kind(i)]
-            x = layer(x, cos, sin, ctx)
-        return self.model.norm(x)
+        layers = self.model.layers
+        per_layer = [rope[self._rope_kind(i)] for i in range(len(layers))]
+        out = fused_decode(layers, x, per_layer, ctx)
+        if out is None:
+            out = x
+            for layer, (cos, sin) in zip(layers, per_layer):
+                out = layer(out, cos, sin, ctx)
+        return self.model.norm(out)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

@@ -73,9 +73,9 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """A pre-norm decoder layer (``self_attn``, ``mlp`` a GatedMLP) that, once switched to the
-    CPU kernels, runs a step of decodes only as one call of ``cpu.decoder_layer``. Subclasses
-    name their norms in ``norms()`` and start ``forward`` with ``fused_decode``."""
+    """A pre-norm decoder layer (``self_attn``, ``mlp`` a GatedMLP). Once switched to the CPU
+    kernels, a step of decodes only runs all of a model's layers in one call (``fused_decode``).
+    Subclasses name their norms in ``norms()``."""
 
     fused = False
 
@@ -87,8 +87,8 @@ class DecoderLayer(nn.Module):
         self.fused = self.mlp.down_proj.bias is None
 
     @functools.cached_property
-    def _fused_args(self) -> tuple[tuple, tuple]:
-        """The weights and constants of ``cpu.decoder_layer`` (built after the blocks switched)."""
+    def fused_args(self) -> tuple[tuple, tuple]:
+        """The weights and constants of ``cpu.decoder_layers`` (built after the blocks switched)."""
         a, mlp = self.self_attn, self.mlp
         norm1, norm2, post_attn, post_mlp = self.norms()
         q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
@@ -103,16 +103,20 @@ class DecoderLayer(nn.Module):
         )  # fmt: skip
         return weights, (norm1.eps, norm1.offset, a.scale, a.num_heads, mlp.activation)
 
-    def fused_decode(self, x, cos, sin, ctx) -> torch.Tensor | None:
-        """The layer's output by one kernel call when switched and this step is decodes only
-        (``ctx.decode_only``); None when the modules must run."""
-        if not self.fused or x.shape[0] > cpu.MAX_ROWS:
-            return None
-        decode = ctx.decode_only(self.self_attn.layer_id)
-        if decode is None:
-            return None
-        weights, config = self._fused_args
-        return cpu.decoder_layer(x, cos, sin, weights, *decode, config)
+
+def fused_decode(layers, x: torch.Tensor, rope: list, ctx) -> torch.Tensor | None:
+    """The output of ``layers`` (DecoderLayers, ``rope`` their (cos, sin)) by one kernel call
+    when they are switched to the CPU kernels and this step is decodes only
+    (``ctx.decode_only``); None when the modules must run."""
+    if not all(layer.fused for layer in layers) or x.shape[0] > cpu.MAX_ROWS:
+        return None
+    decode = [ctx.decode_only(layer.self_attn.layer_id) for layer in layers]
+    if any(d is None for d in decode):
+        return None
+    args = [layer.fused_args for layer in layers]
+    weights = [w for layer_weights, _ in args for w in layer_weights]
+    caches, metas = [(k, v) for k, v, _ in decode], [m for _, _, m in decode]
+    return cpu.decoder_layers(x, rope, weights, caches, metas, args[0][1])
 
 
 def fuse_linears(*linears: nn.Linear) -> FastLinear:

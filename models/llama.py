@@ -16,6 +16,7 @@ from models.layers import (
     RMSNorm,
     apply_rope,
     fuse_linears,
+    fused_decode,
     rope_cos_sin,
     rope_inv_freq,
 )
@@ -82,9 +83,6 @@ class LlamaDecoderLayer(DecoderLayer):
         return self.input_layernorm, self.post_attention_layernorm, None, None
 
     def forward(self, x, cos, sin, ctx):
-        out = self.fused_decode(x, cos, sin, ctx)
-        if out is not None:
-            return out
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -128,9 +126,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, ctx)
-        return self.model.norm(x)
+        layers = self.model.layers
+        out = fused_decode(layers, x, [(cos, sin)] * len(layers), ctx)
+        if out is None:
+            out = x
+            for layer in layers:
+                out = layer(out, cos, sin, ctx)
+        return self.model.norm(out)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

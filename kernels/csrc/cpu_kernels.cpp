@@ -480,7 +480,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
 }
 
 // The start of a cache's row for flat slot `slot` (block slot / bs, offset slot % bs).
-inline float* slot_row(at::Tensor& cache, int64_t slot) {
+inline float* slot_row(const at::Tensor& cache, int64_t slot) {
   const int64_t bs = cache.size(1);
   return cache.data_ptr<float>() + (slot / bs) * cache.stride(0) + (slot % bs) * cache.stride(1);
 }
@@ -633,17 +633,16 @@ at::Tensor gated_act(const at::Tensor& h, int64_t act) {
   return out;
 }
 
-// One pre-norm decoder layer for a step of decodes only (one new token per sequence):
+// Pre-norm decoder layers for a step of decodes only (one new token per sequence), each
 //   h = x + [post_attn_norm](o_proj(attention(rope([q|k]_norm(qkv_proj(norm1(x)))))))
 //   y = h + [post_mlp_norm](down(act(gate) * up)(norm2(h)))
 // Bracketed norms are optional (Gemma 3 has them, Llama not); all norms share eps and offset.
 // It mirrors the modules of models/llama.py and models/gemma3.py, which stay the reference;
-// slots, block tables and lengths are those of the layer's cache group.
+// each layer has its own cos/sin and its cache group's slots, block tables and lengths.
 //
-// The whole layer is one parallel region: the matrices go in Chunks, and the phases between
-// are separated by barriers, not by forking the threads again, nor by allocating each
-// intermediate (about a tenth of the layer's time at batch 1). Counters 0, 1, 2 and 3 are the
-// matrices' (q|k|v, o, gate|up, down), 4 the attention units'.
+// All the layers are one parallel region: the matrices go in Chunks, and the phases between
+// are separated by barriers, not by forking the threads again, allocating each intermediate or
+// returning to Python between layers (together about a seventh of the step at batch 1).
 
 struct Matrix {
   const float* w;
@@ -658,70 +657,84 @@ inline const float* opt(const c10::optional<at::Tensor>& t) {
   return t->data_ptr<float>();
 }
 
-at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                         const at::Tensor& norm1, const at::Tensor& qkv_w,
-                         const c10::optional<at::Tensor>& qkv_b,
-                         const c10::optional<at::Tensor>& q_norm,
-                         const c10::optional<at::Tensor>& k_norm, const at::Tensor& o_w,
-                         const c10::optional<at::Tensor>& o_b,
-                         const c10::optional<at::Tensor>& post_attn_norm,
-                         const at::Tensor& norm2, const at::Tensor& gate_up_w,
-                         const at::Tensor& down_w, const c10::optional<at::Tensor>& post_mlp_norm,
-                         at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
-                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double eps,
-                         double offset, double scale, int64_t num_heads, int64_t act,
-                         int64_t window) {
-  check_f32(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [B, hidden] matrix");
-  const int64_t B = x.size(0), H = x.size(1), Hq = num_heads, Hkv = k_cache.size(2);
-  const int64_t D = k_cache.size(3), nq = Hq * D, nkv = Hkv * D, nqkv = nq + 2 * nkv;
-  const int64_t I = down_w.size(1);
-  check_paged(k_cache, v_cache, block_tables, seq_lens, Hq, D);
-  TORCH_CHECK(v_cache.size(3) == D && k_cache.stride(2) == D && v_cache.stride(2) == D,
-              "the layer's cache slots must be dense [heads, head_dim] rows");
-  TORCH_CHECK(qkv_w.size(0) == nqkv && qkv_w.size(1) == H && o_w.size(0) == H &&
-                  o_w.size(1) == nq && gate_up_w.size(0) == 2 * I && gate_up_w.size(1) == H &&
-                  down_w.size(0) == H,
-              "the layer's weights do not have the shapes of its heads and hidden size");
-  for (const at::Tensor* w : {&norm1, &qkv_w, &o_w, &norm2, &gate_up_w, &down_w})
-    TORCH_CHECK(w->scalar_type() == at::kFloat && w->is_contiguous(),
-                "the layer's weights must be contiguous float32");
-  const auto c = cos.to(at::kFloat).contiguous(), s = sin.to(at::kFloat).contiguous();
-  TORCH_CHECK(c.size(0) == B && c.size(1) == D, "cos/sin must be [B, head_dim]");
-  const auto sl = slots.to(at::kLong).contiguous();
-  TORCH_CHECK(sl.numel() == B, "one slot per sequence");
+inline const float* req(const c10::optional<at::Tensor>& t) {
+  const float* p = opt(t);
+  TORCH_CHECK(p != nullptr, "a required weight of the layer is missing");
+  return p;
+}
 
-  // Scratch: normed input, q|k|v, attention output, h, normed h, gate|up, act.
-  auto buf = at::empty({B * (H + nqkv + nq + H + H + 2 * I + I)}, x.options());
-  float* xn = buf.data_ptr<float>();
-  float* qkv = xn + B * H;
-  float* attn = qkv + B * nqkv;
-  float* h = attn + B * nq;
-  float* hn = h + B * H;
-  float* gu = hn + B * H;
-  float* a = gu + B * 2 * I;
-  auto out = at::empty({B, H}, x.options());
-  float* y = out.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
-  const float *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>();
-  const int64_t* slot = sl.data_ptr<int64_t>();
-  const float off = static_cast<float>(offset);
-  const float *qn = opt(q_norm), *kn = opt(k_norm), *pan = opt(post_attn_norm),
-              *pmn = opt(post_mlp_norm);
-  const Matrix qkv_m{qkv_w.data_ptr<float>(), opt(qkv_b), nqkv, H};
-  const Matrix o_m{o_w.data_ptr<float>(), opt(o_b), H, nq};
-  const float* gate_up = gate_up_w.data_ptr<float>();
-  const Matrix down_m{down_w.data_ptr<float>(), nullptr, H, I};
-  const int64_t cap = k_cache.size(0) * k_cache.size(1);
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(slot[b] < cap, "slot ", slot[b], " is outside the cache");
-  const int64_t threads = at::get_num_threads();
-  const PagedAttention paged(qkv, nqkv, B, Hq, k_cache, v_cache, block_tables, seq_lens,
-                             static_cast<float>(scale), window, attn, threads);
-  const auto next = counters(5, threads);
+// The step's activations, shared by the layers (all of one shape): normed input, q|k|v,
+// attention output, h, normed h, gate|up, act.
+struct LayerScratch {
+  at::Tensor buf;
+  float *xn, *qkv, *attn, *h, *hn, *gu, *a;
 
-#pragma omp parallel num_threads(threads)
-  {
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+  LayerScratch(int64_t B, int64_t H, int64_t nqkv, int64_t nq, int64_t I, const at::TensorOptions& o)
+      : buf(at::empty({B * (H + nqkv + nq + H + H + 2 * I + I)}, o)) {
+    xn = buf.data_ptr<float>();
+    qkv = xn + B * H;
+    attn = qkv + B * nqkv;
+    h = attn + B * nq;
+    hn = h + B * H;
+    gu = hn + B * H;
+    a = gu + B * 2 * I;
+  }
+};
+
+// One layer's weights, cache and attention plan, checked and resolved to pointers before the
+// parallel region. Counters 0, 1, 2 and 3 are its matrices' (q|k|v, o, gate|up, down), 4 its
+// attention units'.
+struct DecodeLayer {
+  static constexpr int64_t COUNTERS = 5;
+  int64_t B, H, Hq, Hkv, D, nq, nkv, nqkv, I, act;
+  double eps;
+  float off;
+  const float *norm1, *qn, *kn, *pan, *norm2, *gate_up, *pmn, *cp, *sp;
+  Matrix qkv_m, o_m, down_m;
+  at::Tensor k_cache, v_cache, c, s, sl;
+  const int64_t* slot;
+  PagedAttention paged;
+
+  DecodeLayer(int64_t B_, int64_t H_, const at::Tensor& cos, const at::Tensor& sin,
+              const c10::List<c10::optional<at::Tensor>>& w, int64_t w0, at::Tensor k_cache_,
+              at::Tensor v_cache_, const at::Tensor& slots, const at::Tensor& block_tables,
+              const at::Tensor& seq_lens, double eps_, double offset, double scale,
+              int64_t num_heads, int64_t act_, int64_t window, const LayerScratch& scratch,
+              int64_t threads)
+      : B(B_), H(H_), Hq(num_heads), Hkv(k_cache_.size(2)), D(k_cache_.size(3)),
+        nq(Hq * D), nkv(Hkv * D), nqkv(nq + 2 * nkv), act(act_), eps(eps_),
+        off(static_cast<float>(offset)), k_cache(k_cache_), v_cache(v_cache_),
+        c(cos.to(at::kFloat).contiguous()), s(sin.to(at::kFloat).contiguous()),
+        sl(slots.to(at::kLong).contiguous()), slot(sl.data_ptr<int64_t>()),
+        paged(scratch.qkv, nqkv, B_, num_heads, k_cache_, v_cache_, block_tables, seq_lens,
+              static_cast<float>(scale), window, scratch.attn, threads) {
+    // The layer's twelve weights: norm1, qkv weight and bias, q_norm, k_norm, o weight and
+    // bias, post-attention norm, norm2, gate|up weight, down weight, post-MLP norm.
+    auto get = [&](int64_t i) -> c10::optional<at::Tensor> { return w.get(w0 + i); };
+    const at::Tensor qkv_w = *get(1), o_w = *get(5), gate_up_w = *get(9), down_w = *get(10);
+    I = down_w.size(1);
+    check_paged(k_cache, v_cache, block_tables, seq_lens, Hq, D);
+    TORCH_CHECK(v_cache.size(3) == D && k_cache.stride(2) == D && v_cache.stride(2) == D,
+                "the layer's cache slots must be dense [heads, head_dim] rows");
+    TORCH_CHECK(qkv_w.size(0) == nqkv && qkv_w.size(1) == H && o_w.size(0) == H &&
+                    o_w.size(1) == nq && gate_up_w.size(0) == 2 * I && gate_up_w.size(1) == H &&
+                    down_w.size(0) == H,
+                "the layer's weights do not have the shapes of its heads and hidden size");
+    TORCH_CHECK(c.size(0) == B && c.size(1) == D, "cos/sin must be [B, head_dim]");
+    TORCH_CHECK(sl.numel() == B, "one slot per sequence");
+    const int64_t cap = k_cache.size(0) * k_cache.size(1);
+    for (int64_t b = 0; b < B; ++b) TORCH_CHECK(slot[b] < cap, "slot ", slot[b], " is outside the cache");
+    norm1 = req(get(0)), qn = opt(get(3)), kn = opt(get(4)), pan = opt(get(7));
+    norm2 = req(get(8)), gate_up = req(get(9)), pmn = opt(get(11));
+    qkv_m = {req(get(1)), opt(get(2)), nqkv, H};
+    o_m = {req(get(5)), opt(get(6)), H, nq};
+    down_m = {req(get(10)), nullptr, H, I};
+    cp = c.data_ptr<float>(), sp = s.data_ptr<float>();
+  }
+
+  // Thread t of nt: y [B, H] = the layer of xp [B, H]; ends with a barrier.
+  void run(int64_t t, int64_t nt, const float* xp, float* y, const LayerScratch& sc,
+           std::atomic<int64_t>* next) const {
     auto rows = [&](int64_t n) {  // this thread's share of n rows or tasks, one at a time
       return std::make_pair(n * t / nt, n * (t + 1) / nt);
     };
@@ -731,16 +744,17 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::T
     };
     // The i-th matrix of the layer, in chunks; f(n0, n1) after each chunk's rows are written.
     auto multiply = [&](int64_t i, const Matrix& m, const float* in, float* o, auto&& f) {
-      Chunks(m.N, chunk_rows(m.K), nt, next.get() + i * threads).run(t, [&](int64_t n0, int64_t n1) {
+      Chunks(m.N, chunk_rows(m.K), nt, next + i * nt).run(t, [&](int64_t n0, int64_t n1) {
         linear_rows(in, B, m.K, m.w, m.bias, n0, n1, o, m.N);
         f(n0, n1);
       });
     };
     auto nothing = [](int64_t, int64_t) {};
+    float *qkv = sc.qkv, *h = sc.h;
 
-    norm_rows(xp, norm1.data_ptr<float>(), xn);
+    norm_rows(xp, norm1, sc.xn);
 #pragma omp barrier
-    multiply(0, qkv_m, xn, qkv, nothing);
+    multiply(0, qkv_m, sc.xn, qkv, nothing);
 #pragma omp barrier
     // Per head row: q and k normed (Gemma) and rotated, k and v written to the cache.
     {
@@ -760,7 +774,7 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::T
 #pragma omp barrier
     {
       PagedAttention::Scratch scratch;
-      Chunks(paged.units(), 1, nt, next.get() + 4 * threads).run(t, [&](int64_t u, int64_t) {
+      Chunks(paged.units(), 1, nt, next + 4 * nt).run(t, [&](int64_t u, int64_t) {
         paged.unit(u, scratch);
       });
     }
@@ -770,7 +784,7 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::T
       for (int64_t r = r0; r < r1; ++r) paged.merge(r);
 #pragma omp barrier
     }
-    multiply(1, o_m, attn, h, nothing);
+    multiply(1, o_m, sc.attn, h, nothing);
     if (pan != nullptr) {
 #pragma omp barrier
       norm_rows(h, pan, h);
@@ -780,23 +794,24 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::T
       auto [r0, r1] = rows(B);
       for (int64_t r = r0; r < r1; ++r) {
         for (int64_t i = 0; i < H; ++i) h[r * H + i] += xp[r * H + i];
-        norm_row(h + r * H, norm2.data_ptr<float>(), H, eps, off, hn + r * H);
+        norm_row(h + r * H, norm2, H, eps, off, sc.hn + r * H);
       }
     }
 #pragma omp barrier
     {
       // Gate and up features j and I + j belong to the same chunk, whose thread applies the
       // activation at once.
-      Chunks(I, chunk_rows(H), nt, next.get() + 2 * threads).run(t, [&](int64_t j0, int64_t j1) {
-        linear_rows(hn, B, H, gate_up, nullptr, j0, j1, gu, 2 * I);
-        linear_rows(hn, B, H, gate_up, nullptr, I + j0, I + j1, gu, 2 * I);
+      float *gu = sc.gu, *a = sc.a;
+      Chunks(I, chunk_rows(H), nt, next + 2 * nt).run(t, [&](int64_t j0, int64_t j1) {
+        linear_rows(sc.hn, B, H, gate_up, nullptr, j0, j1, gu, 2 * I);
+        linear_rows(sc.hn, B, H, gate_up, nullptr, I + j0, I + j1, gu, 2 * I);
         for (int64_t r = 0; r < B; ++r)
           gate_row(gu + r * 2 * I + j0, gu + r * 2 * I + I + j0, j1 - j0, act, a + r * I + j0);
       });
     }
 #pragma omp barrier
     if (pmn != nullptr) {
-      multiply(3, down_m, a, y, nothing);
+      multiply(3, down_m, sc.a, y, nothing);
 #pragma omp barrier
       auto [r0, r1] = rows(B);
       for (int64_t r = r0; r < r1; ++r) {
@@ -804,13 +819,59 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::T
         for (int64_t i = 0; i < H; ++i) y[r * H + i] += h[r * H + i];
       }
     } else {
-      multiply(3, down_m, a, y, [&](int64_t n0, int64_t n1) {
+      multiply(3, down_m, sc.a, y, [&](int64_t n0, int64_t n1) {
         for (int64_t r = 0; r < B; ++r)
           for (int64_t i = n0; i < n1; ++i) y[r * H + i] += h[r * H + i];
       });
     }
+#pragma omp barrier
   }
-  return out;
+};
+
+// x [B, hidden] through L layers: per layer cos, sin, caches, slots, block tables, lengths and
+// window, and twelve entries of `weights` (see DecodeLayer; None for an absent optional one).
+at::Tensor decoder_layers(const at::Tensor& x, at::TensorList cos, at::TensorList sin,
+                          const c10::List<c10::optional<at::Tensor>>& weights,
+                          at::TensorList k_caches, at::TensorList v_caches, at::TensorList slots,
+                          at::TensorList block_tables, at::TensorList seq_lens,
+                          at::IntArrayRef windows, double eps, double offset, double scale,
+                          int64_t num_heads, int64_t act) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [B, hidden] matrix");
+  const int64_t L = k_caches.size();
+  TORCH_CHECK(L > 0 && cos.size() == L && sin.size() == L && v_caches.size() == L &&
+                  slots.size() == L && block_tables.size() == L && seq_lens.size() == L &&
+                  windows.size() == L && weights.size() == 12 * L,
+              "one cos, sin, cache pair, slots, table, lengths, window and 12 weights per layer");
+  const int64_t B = x.size(0), H = x.size(1), threads = at::get_num_threads();
+  const auto first_down = weights.get(10);
+  TORCH_CHECK(first_down.has_value(), "a required weight of the layer is missing");
+  const int64_t D = k_caches[0].size(3), nq = num_heads * D;
+  const LayerScratch scratch(B, H, nq + 2 * k_caches[0].size(2) * D, nq, first_down->size(1),
+                             x.options());
+  std::vector<DecodeLayer> layers;
+  layers.reserve(L);
+  for (int64_t l = 0; l < L; ++l) {
+    layers.emplace_back(B, H, cos[l], sin[l], weights, 12 * l, k_caches[l], v_caches[l],
+                        slots[l], block_tables[l], seq_lens[l], eps, offset, scale, num_heads,
+                        act, windows[l], scratch, threads);
+    TORCH_CHECK(layers[l].nqkv == layers[0].nqkv && layers[l].I == layers[0].I,
+                "the layers must have one shape");
+  }
+  // Layer l reads outs[(l + 1) % 2] (x for the first) and writes outs[l % 2].
+  const at::Tensor outs[2] = {at::empty({B, H}, x.options()), at::empty({B, H}, x.options())};
+  const auto next = counters(DecodeLayer::COUNTERS * L, threads);
+
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    for (int64_t l = 0; l < L; ++l) {
+      const float* in = l == 0 ? x.data_ptr<float>() : outs[(l + 1) % 2].data_ptr<float>();
+      layers[l].run(t, nt, in, outs[l % 2].data_ptr<float>(), scratch,
+                    next.get() + l * DecodeLayer::COUNTERS * threads);
+    }
+  }
+  return outs[(L - 1) % 2];
 }
 
 }  // namespace
@@ -828,12 +889,10 @@ TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("gated_act(Tensor h, int act) -> Tensor");
   m.def(
-      "decoder_layer(Tensor x, Tensor cos, Tensor sin, Tensor norm1, Tensor qkv_w, "
-      "Tensor? qkv_b, Tensor? q_norm, Tensor? k_norm, Tensor o_w, Tensor? o_b, "
-      "Tensor? post_attn_norm, Tensor norm2, Tensor gate_up_w, Tensor down_w, "
-      "Tensor? post_mlp_norm, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
-      "Tensor block_tables, Tensor seq_lens, float eps, float offset, float scale, "
-      "int num_heads, int act, int window) -> Tensor");
+      "decoder_layers(Tensor x, Tensor[] cos, Tensor[] sin, Tensor?[] weights, "
+      "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor[] slots, Tensor[] block_tables, "
+      "Tensor[] seq_lens, int[] windows, float eps, float offset, float scale, int num_heads, "
+      "int act) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
@@ -844,5 +903,5 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rope", &rope);
   m.impl("gated_act", &gated_act);
-  m.impl("decoder_layer", &decoder_layer);
+  m.impl("decoder_layers", &decoder_layers);
 }

@@ -200,55 +200,74 @@ def tiny_biased_llama_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "model,layer,window,lens,threads",
+    "model,lens,threads",
     [
-        ("llama", 1, 0, [1], None),
-        ("llama", 1, 0, [150], None),  # attention over parts of the context
-        ("llama", 1, 0, [5, 33, 17, 8], None),
-        ("llama", 1, 0, [5, 33, 17, 8], 3),  # shares of uneven sizes
-        ("llama", 0, 0, [3 * i + 1 for i in range(13)], None),  # past FEW rows: the tiles
-        ("biased_llama", 1, 0, [9, 1, 30], 1),
-        ("gemma3", 0, 32, [70, 9, 33], None),  # a sliding-window layer over its ring
-        ("gemma3", 1, 0, [40, 2], None),
+        ("llama", [1], None),
+        ("llama", [150], None),  # attention over parts of the context
+        ("llama", [5, 33, 17, 8], None),
+        ("llama", [5, 33, 17, 8], 3),  # shares of uneven sizes
+        ("llama", [3 * i + 1 for i in range(13)], None),  # past FEW rows: the tiles
+        ("biased_llama", [9, 1, 30], 1),
+        ("gemma3", [70, 9, 33], None),  # a sliding-window layer over its ring, a full one
+        ("gemma3", [40, 2], 1),
     ],
 )
-def test_a_fused_decoder_layer_matches_the_modules_and_writes_the_same_cache(
-    request, model, layer, window, lens, threads
+def test_fused_decoder_layers_match_the_modules_and_write_the_same_caches(
+    request, model, lens, threads
 ):
+    """A step of decodes through every layer of the model in one kernel call (the CPU
+    backend) against the modules layer by layer (the torch backend): hidden states and caches."""
     from kernels.paged import AttentionMetadata, ForwardContext
-    from models.layers import rope_cos_sin, rope_inv_freq
 
     if threads is not None:
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         request.addfinalizer(lambda: torch.set_num_threads(before))
     cfg, plain, fast = _plain_and_fast(request.getfixturevalue(f"tiny_{model}_dir"))
-    bs, n_layers, b = 8, cfg.num_layers, len(lens)
-    k_cache, v_cache, tables, seq_lens = _paged(
-        lens, bs, cfg.num_kv_heads, cfg.head_dim, window, seed=11
-    )
+    bs, b = 8, len(lens)
+    groups = type(plain).kv_cache_groups(cfg, "float32")
+    layer_to_group = [0] * cfg.num_layers
+    metas, caches = [], [None] * cfg.num_layers
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
     pos = seq_lens.long() - 1  # each sequence's new token
-    logical = pos // bs % tables.shape[1] if window else pos // bs
-    slots = tables[torch.arange(b), logical].long() * bs + pos % bs
-    if b > 1:
-        slots[1] = -1  # a token whose K/V is not kept (the scheduler's -1)
-    meta = AttentionMetadata(
-        slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, prefix_lens=seq_lens - 1,
-        cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32), num_decodes=b, window=window,
-    )  # fmt: skip
-    cos, sin = rope_cos_sin(pos, rope_inv_freq(cfg.head_dim, 1e4), torch.float32)
+    for g, group in enumerate(groups):
+        window = getattr(group.spec, "window_size", 0)
+        k_cache, v_cache, tables, _ = _paged(
+            lens, bs, cfg.num_kv_heads, cfg.head_dim, window, seed=11 + g
+        )
+        for layer in group.layer_ids:
+            layer_to_group[layer] = g
+            caches[layer] = (k_cache, v_cache)
+        logical = pos // bs % tables.shape[1] if window else pos // bs
+        slots = tables[torch.arange(b), logical].long() * bs + pos % bs
+        if b > 1:
+            slots[1] = -1  # a token whose K/V is not kept (the scheduler's -1)
+        metas.append(
+            AttentionMetadata(
+                slot_mapping=slots,
+                block_tables=tables,
+                seq_lens=seq_lens,
+                prefix_lens=seq_lens - 1,
+                cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32),
+                num_decodes=b,
+                window=window,
+            )  # fmt: skip
+        )
+    assert len(groups) == (2 if model == "gemma3" else 1)
+    ids = torch.randint(0, cfg.vocab_size, (b,), generator=torch.Generator().manual_seed(1))
 
     def run(m, backend):
-        caches = [(k_cache.clone(), v_cache.clone()) for _ in range(n_layers)]
+        copies = [(k.clone(), v.clone()) for k, v in caches]
         ctx = ForwardContext(
-            get_backend(backend, torch.device("cpu")), [meta], caches, (0,) * n_layers
+            get_backend(backend, torch.device("cpu")), metas, copies, tuple(layer_to_group)
         )
-        x = torch.randn(b, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
-        return m.model.layers[layer](x, cos, sin, ctx), caches[layer], ctx
+        return m(ids, pos, ctx), copies, ctx
 
-    out_plain, cache_plain, _ = run(plain, "torch")
-    out_fast, cache_fast, ctx = run(fast, "cpu")
-    assert fast.model.layers[layer].fused and ctx.decode_only(layer) is not None
+    out_plain, caches_plain, _ = run(plain, "torch")
+    out_fast, caches_fast, ctx = run(fast, "cpu")
+    assert all(layer.fused for layer in fast.model.layers)
+    assert all(ctx.decode_only(i) is not None for i in range(cfg.num_layers))
     torch.testing.assert_close(out_fast, out_plain, rtol=1e-4, atol=1e-4)
-    for ours, ref in zip(cache_fast, cache_plain):
-        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+    for ours, ref in zip(caches_fast, caches_plain):
+        for a, c in zip(ours, ref):
+            torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5, equal_nan=True)
