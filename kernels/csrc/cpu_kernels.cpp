@@ -133,14 +133,19 @@ void many_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t n0,
 // own share (a contiguous run of weight rows, read front to back) and then takes what is left
 // of the others', so that a thread whose memory reads ran slower this time does not keep the
 // others waiting at the next barrier for more than one chunk. `next` holds a zeroed counter per
-// thread (chunks of its share taken so far).
+// thread (chunks of its share taken so far), each on a cache line of its own: counters that
+// share a line make every claim move the line between cores.
 constexpr int64_t CHUNK_BYTES = 65536;
+
+struct alignas(64) Counter {
+  std::atomic<int64_t> taken{0};
+};
 
 struct Chunks {
   int64_t n, size, nt;
-  std::atomic<int64_t>* next;
+  Counter* next;
 
-  Chunks(int64_t n_, int64_t size_, int64_t nt_, std::atomic<int64_t>* next_)
+  Chunks(int64_t n_, int64_t size_, int64_t nt_, Counter* next_)
       : n(n_), size(size_), nt(nt_), next(next_) {}
 
   template <class F>
@@ -149,7 +154,7 @@ struct Chunks {
     for (int64_t i = 0; i < nt; ++i) {
       const int64_t s = (t + i) % nt;  // its own share first
       const int64_t c0 = total * s / nt, c1 = total * (s + 1) / nt;
-      for (int64_t c; (c = c0 + next[s].fetch_add(1, std::memory_order_relaxed)) < c1;)
+      for (int64_t c; (c = c0 + next[s].taken.fetch_add(1, std::memory_order_relaxed)) < c1;)
         f(c * size, std::min(n, (c + 1) * size));
     }
   }
@@ -159,10 +164,8 @@ struct Chunks {
 inline int64_t chunk_rows(int64_t K) { return std::max<int64_t>(8, CHUNK_BYTES / (K * 4) / 8 * 8); }
 
 // Zeroed counters for `matrices` uses of Chunks by `threads` threads.
-inline std::unique_ptr<std::atomic<int64_t>[]> counters(int64_t matrices, int64_t threads) {
-  std::unique_ptr<std::atomic<int64_t>[]> c(new std::atomic<int64_t>[matrices * threads]);
-  for (int64_t i = 0; i < matrices * threads; ++i) c[i].store(0, std::memory_order_relaxed);
-  return c;
+inline std::unique_ptr<Counter[]> counters(int64_t matrices, int64_t threads) {
+  return std::unique_ptr<Counter[]>(new Counter[matrices * threads]);
 }
 
 // Output features [n0, n1) of y [M, ldy] = x [M, K] w^T (+ bias): one thread's share.
@@ -734,7 +737,7 @@ struct DecodeLayer {
 
   // Thread t of nt: y [B, H] = the layer of xp [B, H]; ends with a barrier.
   void run(int64_t t, int64_t nt, const float* xp, float* y, const LayerScratch& sc,
-           std::atomic<int64_t>* next) const {
+           Counter* next) const {
     auto rows = [&](int64_t n) {  // this thread's share of n rows or tasks, one at a time
       return std::make_pair(n * t / nt, n * (t + 1) / nt);
     };
