@@ -3,6 +3,7 @@
     python -m bench.cpu [--model smollm2-135m-instruct] [--prompts 16] [--concurrency 1 8]
         [--servers kvserve llama.cpp-f32 llama.cpp-q4_1 vllm-cpu-fp32] [--rounds 1]
         [--out PREFIX]
+    python -m bench.cpu --interleave [--servers ...] [--prompts 16] [--out PREFIX]
     python -m bench.cpu --linear [--rows 1 2 4 8 16 32 64 128]
 
 Measures the box's memory read bandwidth (a sum over 1 GiB, all torch threads), then starts each
@@ -17,6 +18,12 @@ figures of the same run only: the box's bandwidth moves from run to run, and wit
 (another tenant's load); ``--rounds N`` runs the servers in turn N times and reports each
 figure's median, so that a slow minute does not decide the comparison.
 
+``--interleave`` compares one stream with the box's swings taken out: all servers start
+together (each idle while another serves) and every prompt goes to each server in turn, one
+request at a time, the order rotated per prompt. Per server: median TPOT and TTFT over the
+prompts, and the median over prompts of its TPOT divided by the first server's on the same
+prompt (the paired comparison). The bandwidth is measured every four prompts.
+
 ``--linear`` times the linear layers of the model's shapes alone: ``kernels.cpu.linear`` against
 ``F.linear`` by input rows (where ``kernels.cpu.MAX_ROWS`` comes from).
 """
@@ -25,9 +32,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
+import random
 import signal
 import statistics
 import subprocess
@@ -43,7 +52,16 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from bench.kernel_speed import Timer, read_bandwidth
-from bench.loadtest import BenchConfig, run_benchmark
+from bench.loadtest import (
+    BenchConfig,
+    PromptCalibration,
+    RequestRecord,
+    calibrate_prompts,
+    request_body,
+    run_benchmark,
+    send_request,
+    synthetic_requests,
+)
 from kernels import cpu
 from models.config import ModelConfig
 from models.fetch import resolve_model
@@ -128,7 +146,10 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> b
     return False
 
 
-def run_server(server: Server, port: int, args: argparse.Namespace, log_dir: Path) -> dict:
+@contextlib.contextmanager
+def started(server: Server, port: int, log_dir: Path):
+    """Run ``server`` on ``port`` for the block: yields its root URL, or None when it did not
+    become healthy (its log says why); stopped after."""
     log = log_dir / f"{server.name}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -138,8 +159,23 @@ def run_server(server: Server, port: int, args: argparse.Namespace, log_dir: Pat
     root = f"http://127.0.0.1:{port}"
     try:
         if not _wait_healthy(root, proc):
-            return {"error": f"did not start (see {log})"}
+            yield None
+            return
         time.sleep(2)  # let start-up work (warm-up, compilation) settle
+        yield root
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def run_server(server: Server, port: int, args: argparse.Namespace, log_dir: Path) -> dict:
+    with started(server, port, log_dir) as root:
+        if root is None:
+            return {"error": f"did not start (see {log_dir / server.name}.log)"}
         passes = {}
         for c in args.concurrency:
             config = BenchConfig(
@@ -153,13 +189,6 @@ def run_server(server: Server, port: int, args: argparse.Namespace, log_dir: Pat
                 tpot_ms=s.tpot.mean_ms, failed=s.failed, completed=s.completed,
             )  # fmt: skip
         return passes
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def median_passes(rounds: list[dict]) -> dict:
@@ -193,8 +222,8 @@ def table(results: dict, bandwidth: float, step_bytes: dict[str, int], conc: lis
     return "\n".join(lines)
 
 
-def _f(v) -> str:
-    return "–" if v is None else f"{v:.1f}"
+def _f(v, digits: int = 1) -> str:
+    return "–" if v is None else f"{v:.{digits}f}"
 
 
 def bench_servers(args: argparse.Namespace) -> int:
@@ -238,6 +267,149 @@ def bench_servers(args: argparse.Namespace) -> int:
           f"{min(bandwidth) / 1e9:.1f}–{max(bandwidth) / 1e9:.1f}); {args.prompts} prompts of "
           f"{args.input_len} tokens, {args.output_len} out, per pass; servers in turn, "
           f"{args.rounds} round(s), medians\n\n{text}")  # fmt: skip
+    if args.out:
+        _write(args, results, bandwidth, step_bytes, text)
+    return 0
+
+
+async def interleaved_requests(
+    targets: dict[str, tuple[Server, str]], args: argparse.Namespace, on_prompt=None
+) -> dict[str, list[RequestRecord]]:
+    """One stream at a time: each prompt goes to every server in turn (in an order shuffled per
+    prompt), so all servers meet the box in the same state; before each request the box is let
+    go quiet (a server may keep a core busy for a while after it answered: vLLM-CPU ~1 s). The
+    first prompt warms them up and is not kept. ``on_prompt(i)`` runs before prompt i."""
+    config = BenchConfig(
+        num_prompts=args.prompts + 1, input_len=args.input_len, output_len=args.output_len,
+        ignore_eos=True, seed=args.seed + 1, max_concurrency=1,
+    )  # fmt: skip
+    names = list(targets)
+    order = random.Random(args.seed)
+    records: dict[str, list[RequestRecord]] = {name: [] for name in names}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), trust_env=False) as client:
+        calibration = None
+        for server, root in targets.values():  # the same prompts for all: one tokenizer
+            calibration = await calibrate_prompts(client, root, server.model, chat=False)
+            if calibration is not None:
+                break
+        requests = synthetic_requests(config, calibration or PromptCalibration())
+        for i, req in enumerate(requests):
+            if on_prompt is not None:
+                on_prompt(i)
+            order.shuffle(names)
+            for name in names:
+                server, root = targets[name]
+                await quiet()
+                rec = RequestRecord(index=i, scheduled_s=0.0)
+                body = request_body(config, server.model, req)
+                await send_request(client, root + "/v1/completions", body, rec, time.perf_counter())
+                if i > 0:
+                    records[name].append(rec)
+    return records
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """(idle, total) jiffies of all cores from /proc/stat; None where it cannot be read."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return fields[3] + fields[4], sum(fields[:8])
+
+
+async def quiet(window_s: float = 0.25, busy: float = 0.25, limit_s: float = 10.0) -> None:
+    """Wait until less than ``busy`` of a core was in use over ``window_s`` (at most
+    ``limit_s``; at once where /proc/stat cannot be read)."""
+    last = _cpu_times()
+    deadline = time.monotonic() + limit_s
+    while last is not None and time.monotonic() < deadline:
+        await asyncio.sleep(window_s)
+        now = _cpu_times()
+        if now is None or now[1] <= last[1]:
+            return
+        if os.cpu_count() * (1 - (now[0] - last[0]) / (now[1] - last[1])) < busy:
+            return
+        last = now
+
+
+def paired_summary(records: dict[str, list[RequestRecord]], first: str) -> dict[str, dict]:
+    """Per server: median TPOT and TTFT (ms) of its successful requests, failures, and the
+    median over prompts of its TPOT divided by ``first``'s on the same prompt (above 1:
+    ``first`` was faster on the typical prompt)."""
+    out = {}
+    for name, recs in records.items():
+        ok = [r for r in recs if r.tpot_s is not None]
+        pairs = [
+            r.tpot_s / f.tpot_s
+            for r, f in zip(recs, records[first], strict=True)
+            if r.tpot_s is not None and f.tpot_s is not None
+        ]
+        out[name] = {
+            "tpot_ms": statistics.median(r.tpot_s for r in ok) * 1e3 if ok else None,
+            "ttft_ms": statistics.median(r.ttft_s for r in ok) * 1e3 if ok else None,
+            "failed": len(recs) - len(ok),
+            "tpot_vs_first": statistics.median(pairs) if pairs else None,
+        }
+    return out
+
+
+def paired_table(summary: dict, weights: dict[str, str], bandwidth: float, step_bytes, first):
+    head = ["server (weights)", "1 stream decode tok/s", "% of roofline", "TTFT ms",
+            f"its TPOT / {first}'s, same prompt (median)", "failed"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, r in summary.items():
+        tok_s = 1000 / r["tpot_ms"] if r["tpot_ms"] else None
+        roof = bandwidth / step_bytes[weights[name]]
+        cells = [f"{name} ({weights[name]})", _f(tok_s), _f(tok_s and 100 * tok_s / roof),
+                 _f(r["ttft_ms"]), _f(r["tpot_vs_first"], 3), str(r["failed"])]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def bench_interleaved(args: argparse.Namespace) -> int:
+    """All servers up at once (each idle while another serves), one stream, prompts in turn."""
+    model_dir = resolve_model(args.model)
+    fp32, q4 = weight_bytes(model_dir)
+    step_bytes = {"fp32": fp32, "Q4_1": q4}
+    log_dir = Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    bandwidth = [box_bandwidth()]
+    targets, results = {}, {}
+    with contextlib.ExitStack() as stack:
+        for i, name in enumerate(args.servers):
+            server = servers(model_dir, args.port + i, args.kvserve_args)[name]
+            if isinstance(server, str):
+                print(f"{name}: skipped, {server}", flush=True)
+                continue
+            root = stack.enter_context(started(server, args.port + i, log_dir))
+            if root is None:
+                results[name] = {"weights": server.weights, "error": "did not start"}
+                print(f"{name}: did not start (see {log_dir / name}.log)", flush=True)
+                continue
+            targets[name] = (server, root)
+        if not targets:
+            return 1
+
+        def measure(i: int) -> None:  # the box's bandwidth every 4 prompts, servers idle
+            if i > 0 and i % 4 == 0:
+                bandwidth.append(box_bandwidth())
+
+        records = asyncio.run(interleaved_requests(targets, args, measure))
+    bandwidth.append(box_bandwidth())
+    first = next(iter(targets))
+    summary = paired_summary(records, first)
+    weights = {name: server.weights for name, (server, _) in targets.items()}
+    for name in targets:
+        results[name] = {
+            "weights": weights[name], **summary[name],
+            "requests": [r.to_dict() for r in records[name]],
+        }  # fmt: skip
+    bw = statistics.median(bandwidth)
+    text = paired_table(summary, weights, bw, step_bytes, first)
+    print(f"\nread bandwidth {bw / 1e9:.1f} GB/s (median of {len(bandwidth)} measurements, "
+          f"{min(bandwidth) / 1e9:.1f}–{max(bandwidth) / 1e9:.1f}); {args.prompts} prompts of "
+          f"{args.input_len} tokens, {args.output_len} out, each sent to every server in turn, "
+          f"one at a time; medians over prompts\n\n{text}")  # fmt: skip
     if args.out:
         _write(args, results, bandwidth, step_bytes, text)
     return 0
@@ -316,6 +488,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the rest of the line goes to `kvserve serve`")  # fmt: skip
     p.add_argument("--log-dir", default="/tmp/kvserve-bench-cpu")
     p.add_argument("--out", help="write PREFIX.md and PREFIX.json")
+    p.add_argument("--interleave", action="store_true",
+                   help="one stream, all servers up, each prompt sent to each in turn")  # fmt: skip
     p.add_argument("--linear", action="store_true", help="time the linear layers alone")
     p.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     return p.parse_args(argv)
@@ -323,7 +497,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    return bench_linear(args) if args.linear else bench_servers(args)
+    if args.linear:
+        return bench_linear(args)
+    return bench_interleaved(args) if args.interleave else bench_servers(args)
 
 
 if __name__ == "__main__":
