@@ -1,5 +1,7 @@
 """bench.cpu's figures: medians over rounds and the table built from them."""
 
+import pytest
+
 from bench.cpu import median_passes, table
 
 
@@ -31,3 +33,56 @@ def test_the_table_reports_one_stream_from_the_median_tpot_against_the_roofline(
     # 1000 / 20 ms = 50 tok/s against a roofline of 25e9 / 5e8 = 50 tok/s.
     assert rows[2] == "| kvserve (fp32) | 50.0 | 100.0 | 250.0 | 150.0 |"
     assert rows[3].startswith("| peer | did not start |")
+
+
+def _record(ttft_s, tpot_s, tokens=11, success=True):
+    from bench.loadtest import RequestRecord
+
+    e2e = ttft_s + tpot_s * (tokens - 1)
+    return RequestRecord(index=0, scheduled_s=0.0, start_s=0.0, end_s=e2e, success=success,
+                         ttft_s=ttft_s, output_tokens=tokens)  # fmt: skip
+
+
+def test_paired_summary_takes_medians_and_per_prompt_ratios_to_the_first_server():
+    from bench.cpu import paired_summary
+
+    # The peer is 1.5x, 2x, 1x kvserve's TPOT on the three prompts (median 1.5) while its own
+    # median TPOT is 30 ms against kvserve's 20: the pairs, not the medians, give the ratio.
+    records = {
+        "kvserve": [_record(0.2, 0.020), _record(0.3, 0.010), _record(0.25, 0.040)],
+        "peer": [_record(0.1, 0.030), _record(0.2, 0.020), _record(0.3, 0.040)],
+        "flaky": [_record(0.1, 0.020), _record(0.1, 0.020, success=False), _record(0.1, 0.060)],
+    }
+    s = paired_summary(records, "kvserve")
+    assert s["kvserve"]["tpot_ms"] == pytest.approx(20.0) and s["kvserve"]["ttft_ms"] == 250.0
+    assert s["kvserve"]["tpot_vs_first"] == pytest.approx(1.0)
+    assert s["peer"]["tpot_ms"] == pytest.approx(30.0)
+    assert s["peer"]["tpot_vs_first"] == pytest.approx(1.5)
+    # A failed request counts as failed and leaves its prompt out of the pairs.
+    assert s["flaky"]["failed"] == 1
+    assert s["flaky"]["tpot_vs_first"] == pytest.approx((1.0 + 1.5) / 2)
+
+
+def test_the_paired_table_reports_tok_s_roofline_and_ratio():
+    from bench.cpu import paired_table
+
+    summary = {
+        "kvserve": {"tpot_ms": 20.0, "ttft_ms": 200.0, "failed": 0, "tpot_vs_first": 1.0},
+        "peer": {"tpot_ms": 25.0, "ttft_ms": 180.0, "failed": 2, "tpot_vs_first": 1.25},
+    }
+    text = paired_table(summary, {"kvserve": "fp32", "peer": "fp32"}, 25e9,
+                        {"fp32": 500_000_000}, "kvserve")  # fmt: skip
+    rows = text.splitlines()
+    assert rows[2] == "| kvserve (fp32) | 50.0 | 100.0 | 200.0 | 1.000 | 0 |"
+    assert rows[3] == "| peer (fp32) | 40.0 | 80.0 | 180.0 | 1.250 | 2 |"
+
+
+def test_waiting_for_a_quiet_box_is_bounded():
+    import asyncio
+    import time
+
+    from bench.cpu import quiet
+
+    start = time.monotonic()
+    asyncio.run(quiet(window_s=0.01, busy=-1.0, limit_s=0.1))  # never quiet enough: the limit
+    assert 0.1 <= time.monotonic() - start < 2.0
