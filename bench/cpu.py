@@ -20,9 +20,9 @@ figure's median, so that a slow minute does not decide the comparison.
 
 ``--interleave`` compares one stream with the box's swings taken out: all servers start
 together (each idle while another serves) and every prompt goes to each server in turn, one
-request at a time, the order rotated per prompt. Per server: median TPOT and TTFT over the
-prompts, and the median over prompts of its TPOT divided by the first server's on the same
-prompt (the paired comparison). The bandwidth is measured every four prompts.
+request at a time on a quiet box, in an order shuffled per prompt. Per server: median TPOT and
+TTFT over the prompts, and the median over prompts of its TPOT divided by the first server's on
+the same prompt (the paired comparison). The bandwidth is measured every four prompts.
 
 ``--linear`` times the linear layers of the model's shapes alone: ``kernels.cpu.linear`` against
 ``F.linear`` by input rows (where ``kernels.cpu.MAX_ROWS`` comes from).
@@ -222,6 +222,14 @@ def table(results: dict, bandwidth: float, step_bytes: dict[str, int], conc: lis
     return "\n".join(lines)
 
 
+def _run_line(bandwidth: list[float], args: argparse.Namespace, how: str) -> str:
+    """The bandwidth measurements and the load, above a table."""
+    bw = statistics.median(bandwidth)
+    return (f"read bandwidth {bw / 1e9:.1f} GB/s (median of {len(bandwidth)} measurements, "
+            f"{min(bandwidth) / 1e9:.1f}–{max(bandwidth) / 1e9:.1f}); {args.prompts} prompts of "
+            f"{args.input_len} tokens, {args.output_len} out, {how}")  # fmt: skip
+
+
 def _f(v, digits: int = 1) -> str:
     return "–" if v is None else f"{v:.{digits}f}"
 
@@ -263,10 +271,8 @@ def bench_servers(args: argparse.Namespace) -> int:
             bandwidth.append(box_bandwidth())
     bw = statistics.median(bandwidth)
     text = table(results, bw, step_bytes, args.concurrency)
-    print(f"\nread bandwidth {bw / 1e9:.1f} GB/s (median of {len(bandwidth)} measurements, "
-          f"{min(bandwidth) / 1e9:.1f}–{max(bandwidth) / 1e9:.1f}); {args.prompts} prompts of "
-          f"{args.input_len} tokens, {args.output_len} out, per pass; servers in turn, "
-          f"{args.rounds} round(s), medians\n\n{text}")  # fmt: skip
+    how = f"per pass; servers in turn, {args.rounds} round(s), medians"
+    print(f"\n{_run_line(bandwidth, args, how)}\n\n{text}")
     if args.out:
         _write(args, results, bandwidth, step_bytes, text)
     return 0
@@ -406,10 +412,8 @@ def bench_interleaved(args: argparse.Namespace) -> int:
         }  # fmt: skip
     bw = statistics.median(bandwidth)
     text = paired_table(summary, weights, bw, step_bytes, first)
-    print(f"\nread bandwidth {bw / 1e9:.1f} GB/s (median of {len(bandwidth)} measurements, "
-          f"{min(bandwidth) / 1e9:.1f}–{max(bandwidth) / 1e9:.1f}); {args.prompts} prompts of "
-          f"{args.input_len} tokens, {args.output_len} out, each sent to every server in turn, "
-          f"one at a time; medians over prompts\n\n{text}")  # fmt: skip
+    how = "each sent to every server in turn, one at a time; medians over prompts"
+    print(f"\n{_run_line(bandwidth, args, how)}\n\n{text}")
     if args.out:
         _write(args, results, bandwidth, step_bytes, text)
     return 0

@@ -24,8 +24,8 @@ from models.layers import (
     GatedMLP,
     RMSNorm,
     apply_rope,
-    fused_decode,
     rope_cos_sin,
+    run_layers,
 )
 from models.llama import LlamaAttention
 from models.loader import load_by_name
@@ -190,14 +190,8 @@ class Gemma3ForCausalLM(nn.Module):
             kind: rope_cos_sin(positions, getattr(self, f"{kind}_inv_freq"), x.dtype)
             for kind in (FULL, SLIDING)
         }
-        layers = self.model.layers
-        per_layer = [rope[self._rope_kind(i)] for i in range(len(layers))]
-        out = fused_decode(layers, x, per_layer, ctx)
-        if out is None:
-            out = x
-            for layer, (cos, sin) in zip(layers, per_layer):
-                out = layer(out, cos, sin, ctx)
-        return self.model.norm(out)
+        per_layer = [rope[self._rope_kind(i)] for i in range(len(self.model.layers))]
+        return self.model.norm(run_layers(self.model.layers, x, per_layer, ctx))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

@@ -104,6 +104,17 @@ class DecoderLayer(nn.Module):
         return weights, (norm1.eps, norm1.offset, a.scale, a.num_heads, mlp.activation)
 
 
+def run_layers(layers, x: torch.Tensor, rope: list, ctx) -> torch.Tensor:
+    """``x`` through ``layers`` (``rope`` their (cos, sin)): in one kernel call when
+    ``fused_decode`` can, else layer by layer."""
+    out = fused_decode(layers, x, rope, ctx)
+    if out is None:
+        out = x
+        for layer, (cos, sin) in zip(layers, rope):
+            out = layer(out, cos, sin, ctx)
+    return out
+
+
 def fused_decode(layers, x: torch.Tensor, rope: list, ctx) -> torch.Tensor | None:
     """The output of ``layers`` (DecoderLayers, ``rope`` their (cos, sin)) by one kernel call
     when they are switched to the CPU kernels and this step is decodes only

@@ -16,9 +16,9 @@ from models.layers import (
     RMSNorm,
     apply_rope,
     fuse_linears,
-    fused_decode,
     rope_cos_sin,
     rope_inv_freq,
+    run_layers,
 )
 from models.loader import load_by_name
 
@@ -127,12 +127,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         layers = self.model.layers
-        out = fused_decode(layers, x, [(cos, sin)] * len(layers), ctx)
-        if out is None:
-            out = x
-            for layer in layers:
-                out = layer(out, cos, sin, ctx)
-        return self.model.norm(out)
+        return self.model.norm(run_layers(layers, x, [(cos, sin)] * len(layers), ctx))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

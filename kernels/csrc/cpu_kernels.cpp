@@ -660,10 +660,11 @@ inline const float* opt(const c10::optional<at::Tensor>& t) {
   return t->data_ptr<float>();
 }
 
-inline const float* req(const c10::optional<at::Tensor>& t) {
-  const float* p = opt(t);
-  TORCH_CHECK(p != nullptr, "a required weight of the layer is missing");
-  return p;
+// Entry i of a list of optional weights that must be there.
+inline at::Tensor required(const c10::List<c10::optional<at::Tensor>>& w, int64_t i) {
+  const c10::optional<at::Tensor> t = w.get(i);
+  TORCH_CHECK(t.has_value() && t->defined(), "a required weight of the layer is missing");
+  return *t;
 }
 
 // The step's activations, shared by the layers (all of one shape): normed input, q|k|v,
@@ -714,7 +715,9 @@ struct DecodeLayer {
     // The layer's twelve weights: norm1, qkv weight and bias, q_norm, k_norm, o weight and
     // bias, post-attention norm, norm2, gate|up weight, down weight, post-MLP norm.
     auto get = [&](int64_t i) -> c10::optional<at::Tensor> { return w.get(w0 + i); };
-    const at::Tensor qkv_w = *get(1), o_w = *get(5), gate_up_w = *get(9), down_w = *get(10);
+    auto req = [&](int64_t i) { return opt(required(w, w0 + i)); };
+    const at::Tensor qkv_w = required(w, w0 + 1), o_w = required(w, w0 + 5);
+    const at::Tensor gate_up_w = required(w, w0 + 9), down_w = required(w, w0 + 10);
     I = down_w.size(1);
     check_paged(k_cache, v_cache, block_tables, seq_lens, Hq, D);
     TORCH_CHECK(v_cache.size(3) == D && k_cache.stride(2) == D && v_cache.stride(2) == D,
@@ -727,11 +730,11 @@ struct DecodeLayer {
     TORCH_CHECK(sl.numel() == B, "one slot per sequence");
     const int64_t cap = k_cache.size(0) * k_cache.size(1);
     for (int64_t b = 0; b < B; ++b) TORCH_CHECK(slot[b] < cap, "slot ", slot[b], " is outside the cache");
-    norm1 = req(get(0)), qn = opt(get(3)), kn = opt(get(4)), pan = opt(get(7));
-    norm2 = req(get(8)), gate_up = req(get(9)), pmn = opt(get(11));
-    qkv_m = {req(get(1)), opt(get(2)), nqkv, H};
-    o_m = {req(get(5)), opt(get(6)), H, nq};
-    down_m = {req(get(10)), nullptr, H, I};
+    norm1 = req(0), qn = opt(get(3)), kn = opt(get(4)), pan = opt(get(7));
+    norm2 = req(8), gate_up = req(9), pmn = opt(get(11));
+    qkv_m = {req(1), opt(get(2)), nqkv, H};
+    o_m = {req(5), opt(get(6)), H, nq};
+    down_m = {req(10), nullptr, H, I};
     cp = c.data_ptr<float>(), sp = s.data_ptr<float>();
   }
 
@@ -847,10 +850,8 @@ at::Tensor decoder_layers(const at::Tensor& x, at::TensorList cos, at::TensorLis
                   windows.size() == L && weights.size() == 12 * L,
               "one cos, sin, cache pair, slots, table, lengths, window and 12 weights per layer");
   const int64_t B = x.size(0), H = x.size(1), threads = at::get_num_threads();
-  const auto first_down = weights.get(10);
-  TORCH_CHECK(first_down.has_value(), "a required weight of the layer is missing");
   const int64_t D = k_caches[0].size(3), nq = num_heads * D;
-  const LayerScratch scratch(B, H, nq + 2 * k_caches[0].size(2) * D, nq, first_down->size(1),
+  const LayerScratch scratch(B, H, nq + 2 * k_caches[0].size(2) * D, nq, required(weights, 10).size(1),
                              x.options());
   std::vector<DecodeLayer> layers;
   layers.reserve(L);
