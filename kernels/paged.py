@@ -38,17 +38,13 @@ class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # one (k, v) per layer
     layer_to_group: tuple[int, ...]
 
-    def decode_only(self, layer_id: int):
-        """``(k_cache, v_cache, metadata)`` of the layer when this step is decodes only, its
-        cache float32 and the backend ``cpu``: what ``kernels.cpu``'s fused decoder layers need
-        (they write and read the cache themselves). None otherwise."""
+    def cpu_fused(self, layer_id: int):
+        """``(k_cache, v_cache, metadata)`` of the layer when its cache is float32 and the
+        backend ``cpu``: what ``kernels.cpu``'s fused decoder layers need (they write and read
+        the cache themselves, decodes and prefill chunks alike). None otherwise."""
         meta = self.metadata[self.layer_to_group[layer_id]]
         k_cache, v_cache = self.kv_caches[layer_id]
-        if (
-            self.backend.name != "cpu"
-            or meta.num_decodes != meta.slot_mapping.shape[0]
-            or k_cache.dtype != torch.float32
-        ):
+        if self.backend.name != "cpu" or k_cache.dtype != torch.float32:
             return None
         return k_cache, v_cache, meta
 

@@ -74,7 +74,7 @@ class GatedMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """A pre-norm decoder layer (``self_attn``, ``mlp`` a GatedMLP). Once switched to the CPU
-    kernels, a step of decodes only runs all of a model's layers in one call (``fused_decode``).
+    kernels, a step runs all of a model's layers in one call (``fused_layers``).
     Subclasses name their norms in ``norms()``."""
 
     fused = False
@@ -106,8 +106,8 @@ class DecoderLayer(nn.Module):
 
 def run_layers(layers, x: torch.Tensor, rope: list, ctx) -> torch.Tensor:
     """``x`` through ``layers`` (``rope`` their (cos, sin)): in one kernel call when
-    ``fused_decode`` can, else layer by layer."""
-    out = fused_decode(layers, x, rope, ctx)
+    ``fused_layers`` can, else layer by layer."""
+    out = fused_layers(layers, x, rope, ctx)
     if out is None:
         out = x
         for layer, (cos, sin) in zip(layers, rope):
@@ -115,13 +115,13 @@ def run_layers(layers, x: torch.Tensor, rope: list, ctx) -> torch.Tensor:
     return out
 
 
-def fused_decode(layers, x: torch.Tensor, rope: list, ctx) -> torch.Tensor | None:
+def fused_layers(layers, x: torch.Tensor, rope: list, ctx) -> torch.Tensor | None:
     """The output of ``layers`` (DecoderLayers, ``rope`` their (cos, sin)) by one kernel call
-    when they are switched to the CPU kernels and this step is decodes only
-    (``ctx.decode_only``); None when the modules must run."""
+    when they are switched to the CPU kernels and the step's caches allow it
+    (``ctx.cpu_fused``); None when the modules must run."""
     if not all(layer.fused for layer in layers) or x.shape[0] > cpu.MAX_ROWS:
         return None
-    decode = [ctx.decode_only(layer.self_attn.layer_id) for layer in layers]
+    decode = [ctx.cpu_fused(layer.self_attn.layer_id) for layer in layers]
     if any(d is None for d in decode):
         return None
     args = [layer.fused_args for layer in layers]

@@ -458,6 +458,78 @@ void check_paged(const at::Tensor& k_cache, const at::Tensor& v_cache,
               "head shapes do not match the cache");
 }
 
+// Prefill attention inside the fused layers: chunks of new tokens (sequences nd .. B - 1, rows
+// cu[s] .. cu[s + 1] at positions prefix[s] + j) attending causally to themselves and to their
+// cached prefix, as reference.prefill_attention: the new tokens' keys and values are read from
+// the step's q|k|v rows (the cache gets them after), the prefix through the block table (a ring
+// of W blocks with a window). A unit is a block of up to ROWS query rows of one sequence and
+// one KV head with its query heads: its keys and values stay in the CPU caches for all of them.
+struct PrefillAttention {
+  static constexpr int64_t ROWS = 16;
+  const float *qkv, *k, *v;
+  float* out;  // [T, Hq, D]
+  const int32_t *tables, *prefix, *cu;
+  int64_t Hq, Hkv, G, D, nqkv, bs, W, window;
+  int64_t ks0, ks1, ks2, vs0, vs1, vs2;
+  float scale;
+  std::vector<int64_t> seq, row0;  // per block of rows: its sequence and first row
+
+  PrefillAttention(const float* qkv_, int64_t nqkv_, int64_t nd, int64_t Hq_,
+                   const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& tables_, const at::Tensor& prefix_, const at::Tensor& cu_,
+                   float scale_, int64_t window_, float* out_)
+      : qkv(qkv_), k(k_cache.data_ptr<float>()), v(v_cache.data_ptr<float>()), out(out_),
+        tables(tables_.data_ptr<int32_t>()), prefix(prefix_.data_ptr<int32_t>()),
+        cu(cu_.data_ptr<int32_t>()), Hq(Hq_), Hkv(k_cache.size(2)), G(Hq_ / k_cache.size(2)),
+        D(k_cache.size(3)), nqkv(nqkv_), bs(k_cache.size(1)), W(tables_.size(1)),
+        window(window_), ks0(k_cache.stride(0)), ks1(k_cache.stride(1)),
+        ks2(k_cache.stride(2)), vs0(v_cache.stride(0)), vs1(v_cache.stride(1)),
+        vs2(v_cache.stride(2)), scale(scale_) {
+    for (int64_t b = nd; b < prefix_.numel(); ++b) {
+      TORCH_CHECK(prefix[b] >= 0 && (window > 0 || prefix[b] <= W * bs),
+                  "a prefix is longer than its block table");
+      for (int64_t r = cu[b]; r < cu[b + 1]; r += ROWS) seq.push_back(b), row0.push_back(r);
+    }
+  }
+
+  int64_t units() const { return static_cast<int64_t>(seq.size()) * Hkv; }
+  int64_t lowest(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
+
+  void unit(int64_t u, PagedAttention::Scratch& s) const {
+    const int64_t b = seq[u / Hkv], h = u % Hkv, r0 = row0[u / Hkv];
+    const int64_t c0 = cu[b], r1 = std::min<int64_t>(r0 + ROWS, cu[b + 1]), P = prefix[b];
+    const int64_t lo = lowest(P + r0 - c0), hi = P + r1 - c0, n = hi - lo;
+    s.scores.resize(n);
+    s.krows.resize(n);
+    s.vrows.resize(n);
+    for (int64_t pos = lo; pos < hi; ++pos) {
+      const float *kr, *vr;
+      if (pos < P) {
+        const int64_t logical = window > 0 ? (pos / bs) % W : pos / bs;
+        const int64_t block = tables[b * W + logical], off = pos % bs;
+        kr = k + block * ks0 + off * ks1 + h * ks2;
+        vr = v + block * vs0 + off * vs1 + h * vs2;
+      } else {
+        kr = qkv + (c0 + pos - P) * nqkv + Hq * D + h * D;
+        vr = kr + Hkv * D;
+      }
+      s.krows[pos - lo] = kr, s.vrows[pos - lo] = vr;
+    }
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t pos = P + r - c0, a = lowest(pos) - lo, m = pos - lowest(pos) + 1;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t hq = h * G + g;
+        float* sc = s.scores.data();
+        scores_of(qkv + r * nqkv + hq * D, s.krows.data() + a, m, D, scale, sc, 0, nullptr, 0);
+        float mx = -INFINITY;
+        for (int64_t i = 0; i < m; ++i) mx = std::max(mx, sc[i]);
+        const float sum = exp_shifted(sc, m, mx);
+        weighted_sum(sc, s.vrows.data() + a, m, D, 1.f / sum, out + (r * Hq + hq) * D);
+      }
+    }
+  }
+};
+
 // q [B, Hq, Dk] -> [B, Hq, Dv].
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
@@ -636,12 +708,12 @@ at::Tensor gated_act(const at::Tensor& h, int64_t act) {
   return out;
 }
 
-// Pre-norm decoder layers for a step of decodes only (one new token per sequence), each
+// Pre-norm decoder layers for a step's T new tokens (decodes first, then prefill chunks), each
 //   h = x + [post_attn_norm](o_proj(attention(rope([q|k]_norm(qkv_proj(norm1(x)))))))
 //   y = h + [post_mlp_norm](down(act(gate) * up)(norm2(h)))
 // Bracketed norms are optional (Gemma 3 has them, Llama not); all norms share eps and offset.
 // It mirrors the modules of models/llama.py and models/gemma3.py, which stay the reference;
-// each layer has its own cos/sin and its cache group's slots, block tables and lengths.
+// each layer has its own cos/sin and its cache group's attention metadata (kernels.paged).
 //
 // All the layers are one parallel region: the matrices go in Chunks, and the phases between
 // are separated by barriers, not by forking the threads again, allocating each intermediate or
@@ -673,45 +745,51 @@ struct LayerScratch {
   at::Tensor buf;
   float *xn, *qkv, *attn, *h, *hn, *gu, *a;
 
-  LayerScratch(int64_t B, int64_t H, int64_t nqkv, int64_t nq, int64_t I, const at::TensorOptions& o)
-      : buf(at::empty({B * (H + nqkv + nq + H + H + 2 * I + I)}, o)) {
+  LayerScratch(int64_t T, int64_t H, int64_t nqkv, int64_t nq, int64_t I, const at::TensorOptions& o)
+      : buf(at::empty({T * (H + nqkv + nq + H + H + 2 * I + I)}, o)) {
     xn = buf.data_ptr<float>();
-    qkv = xn + B * H;
-    attn = qkv + B * nqkv;
-    h = attn + B * nq;
-    hn = h + B * H;
-    gu = hn + B * H;
-    a = gu + B * 2 * I;
+    qkv = xn + T * H;
+    attn = qkv + T * nqkv;
+    h = attn + T * nq;
+    hn = h + T * H;
+    gu = hn + T * H;
+    a = gu + T * 2 * I;
   }
 };
 
 // One layer's weights, cache and attention plan, checked and resolved to pointers before the
 // parallel region. Counters 0, 1, 2 and 3 are its matrices' (q|k|v, o, gate|up, down), 4 its
-// attention units'.
-struct DecodeLayer {
+// attention units' (the decodes', then the prefill chunks').
+struct DecoderLayer {
   static constexpr int64_t COUNTERS = 5;
-  int64_t B, H, Hq, Hkv, D, nq, nkv, nqkv, I, act;
+  int64_t T, nd, H, Hq, Hkv, D, nq, nkv, nqkv, I, act;
   double eps;
   float off;
   const float *norm1, *qn, *kn, *pan, *norm2, *gate_up, *pmn, *cp, *sp;
   Matrix qkv_m, o_m, down_m;
   at::Tensor k_cache, v_cache, c, s, sl;
   const int64_t* slot;
-  PagedAttention paged;
+  PagedAttention paged;     // the decodes: rows 0 .. nd - 1
+  PrefillAttention chunks;  // the prefill chunks: rows nd .. T - 1
 
-  DecodeLayer(int64_t B_, int64_t H_, const at::Tensor& cos, const at::Tensor& sin,
-              const c10::List<c10::optional<at::Tensor>>& w, int64_t w0, at::Tensor k_cache_,
-              at::Tensor v_cache_, const at::Tensor& slots, const at::Tensor& block_tables,
-              const at::Tensor& seq_lens, double eps_, double offset, double scale,
-              int64_t num_heads, int64_t act_, int64_t window, const LayerScratch& scratch,
-              int64_t threads)
-      : B(B_), H(H_), Hq(num_heads), Hkv(k_cache_.size(2)), D(k_cache_.size(3)),
-        nq(Hq * D), nkv(Hkv * D), nqkv(nq + 2 * nkv), act(act_), eps(eps_),
-        off(static_cast<float>(offset)), k_cache(k_cache_), v_cache(v_cache_),
+  DecoderLayer(int64_t T_, int64_t H_, const at::Tensor& cos, const at::Tensor& sin,
+               const c10::List<c10::optional<at::Tensor>>& w, int64_t w0, at::Tensor k_cache_,
+               at::Tensor v_cache_, const at::Tensor& slots, const at::Tensor& block_tables,
+               const at::Tensor& seq_lens, const at::Tensor& prefix_lens,
+               const at::Tensor& cu_seqlens_q, int64_t num_decodes, double eps_, double offset,
+               double scale, int64_t num_heads, int64_t act_, int64_t window,
+               const LayerScratch& scratch, int64_t threads)
+      : T(T_), nd(num_decodes), H(H_), Hq(num_heads), Hkv(k_cache_.size(2)),
+        D(k_cache_.size(3)), nq(Hq * D), nkv(Hkv * D), nqkv(nq + 2 * nkv), act(act_),
+        eps(eps_), off(static_cast<float>(offset)), k_cache(k_cache_), v_cache(v_cache_),
         c(cos.to(at::kFloat).contiguous()), s(sin.to(at::kFloat).contiguous()),
         sl(slots.to(at::kLong).contiguous()), slot(sl.data_ptr<int64_t>()),
-        paged(scratch.qkv, nqkv, B_, num_heads, k_cache_, v_cache_, block_tables, seq_lens,
-              static_cast<float>(scale), window, scratch.attn, threads) {
+        paged(scratch.qkv, nqkv, checked_decodes(num_decodes, block_tables, seq_lens,
+                                                 prefix_lens, cu_seqlens_q, T_),
+              num_heads, k_cache_, v_cache_, block_tables, seq_lens, static_cast<float>(scale),
+              window, scratch.attn, threads),
+        chunks(scratch.qkv, nqkv, num_decodes, num_heads, k_cache_, v_cache_, block_tables,
+               prefix_lens, cu_seqlens_q, static_cast<float>(scale), window, scratch.attn) {
     // The layer's twelve weights: norm1, qkv weight and bias, q_norm, k_norm, o weight and
     // bias, post-attention norm, norm2, gate|up weight, down weight, post-MLP norm.
     auto get = [&](int64_t i) -> c10::optional<at::Tensor> { return w.get(w0 + i); };
@@ -726,10 +804,10 @@ struct DecodeLayer {
                     o_w.size(1) == nq && gate_up_w.size(0) == 2 * I && gate_up_w.size(1) == H &&
                     down_w.size(0) == H,
                 "the layer's weights do not have the shapes of its heads and hidden size");
-    TORCH_CHECK(c.size(0) == B && c.size(1) == D, "cos/sin must be [B, head_dim]");
-    TORCH_CHECK(sl.numel() == B, "one slot per sequence");
+    TORCH_CHECK(c.size(0) == T && c.size(1) == D, "cos/sin must be [T, head_dim]");
+    TORCH_CHECK(sl.numel() == T, "one slot per new token");
     const int64_t cap = k_cache.size(0) * k_cache.size(1);
-    for (int64_t b = 0; b < B; ++b) TORCH_CHECK(slot[b] < cap, "slot ", slot[b], " is outside the cache");
+    for (int64_t r = 0; r < T; ++r) TORCH_CHECK(slot[r] < cap, "slot ", slot[r], " is outside the cache");
     norm1 = req(0), qn = opt(get(3)), kn = opt(get(4)), pan = opt(get(7));
     norm2 = req(8), gate_up = req(9), pmn = opt(get(11));
     qkv_m = {req(1), opt(get(2)), nqkv, H};
@@ -738,20 +816,37 @@ struct DecodeLayer {
     cp = c.data_ptr<float>(), sp = s.data_ptr<float>();
   }
 
-  // Thread t of nt: y [B, H] = the layer of xp [B, H]; ends with a barrier.
+  // The metadata's shapes, checked before PagedAttention reads them: the number of decodes.
+  static int64_t checked_decodes(int64_t nd, const at::Tensor& tables, const at::Tensor& lens,
+                                 const at::Tensor& prefix, const at::Tensor& cu, int64_t T) {
+    const int64_t B = lens.numel();
+    TORCH_CHECK(prefix.scalar_type() == at::kInt && cu.scalar_type() == at::kInt &&
+                    prefix.is_contiguous() && cu.is_contiguous(),
+                "prefix lengths and cu_seqlens_q must be contiguous int32");
+    TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && prefix.numel() == B &&
+                    cu.numel() == B + 1 && 0 <= nd && nd <= B,
+                "one block table, prefix length and cu_seqlens_q entry per sequence");
+    const int32_t* q = cu.data_ptr<int32_t>();
+    TORCH_CHECK(q[0] == 0 && q[nd] == nd && q[B] == T,
+                "cu_seqlens_q must start at 0, give each decode one row and end at T");
+    for (int64_t b = 0; b < B; ++b) TORCH_CHECK(q[b] <= q[b + 1], "cu_seqlens_q must not decrease");
+    return nd;
+  }
+
+  // Thread t of nt: y [T, H] = the layer of xp [T, H]; ends with a barrier.
   void run(int64_t t, int64_t nt, const float* xp, float* y, const LayerScratch& sc,
            Counter* next) const {
     auto rows = [&](int64_t n) {  // this thread's share of n rows or tasks, one at a time
       return std::make_pair(n * t / nt, n * (t + 1) / nt);
     };
     auto norm_rows = [&](const float* in, const float* w, float* o) {
-      auto [r0, r1] = rows(B);
+      auto [r0, r1] = rows(T);
       for (int64_t r = r0; r < r1; ++r) norm_row(in + r * H, w, H, eps, off, o + r * H);
     };
     // The i-th matrix of the layer, in chunks; f(n0, n1) after each chunk's rows are written.
     auto multiply = [&](int64_t i, const Matrix& m, const float* in, float* o, auto&& f) {
       Chunks(m.N, chunk_rows(m.K), nt, next + i * nt).run(t, [&](int64_t n0, int64_t n1) {
-        linear_rows(in, B, m.K, m.w, m.bias, n0, n1, o, m.N);
+        linear_rows(in, T, m.K, m.w, m.bias, n0, n1, o, m.N);
         f(n0, n1);
       });
     };
@@ -762,32 +857,43 @@ struct DecodeLayer {
 #pragma omp barrier
     multiply(0, qkv_m, sc.xn, qkv, nothing);
 #pragma omp barrier
-    // Per head row: q and k normed (Gemma) and rotated, k and v written to the cache.
+    // Per head row: q and k normed (Gemma) and rotated; a decode's k and v written to the
+    // cache, which its attention reads.
+    auto to_cache = [&](int64_t r, int64_t head, const float* row) {
+      std::copy_n(row, D, slot_row(k_cache, slot[r]) + head * D);
+      std::copy_n(row + nkv, D, slot_row(v_cache, slot[r]) + head * D);
+    };
     {
-      auto [i0, i1] = rows(B * (Hq + Hkv));
+      auto [i0, i1] = rows(T * (Hq + Hkv));
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b = i / (Hq + Hkv), head = i % (Hq + Hkv);
-        float* row = qkv + b * nqkv + (head < Hq ? head * D : nq + (head - Hq) * D);
+        const int64_t r = i / (Hq + Hkv), head = i % (Hq + Hkv);
+        float* row = qkv + r * nqkv + (head < Hq ? head * D : nq + (head - Hq) * D);
         const float* w = head < Hq ? qn : kn;
         if (w != nullptr) norm_row(row, w, D, eps, off, row);
-        rope_row(row, cp + b * D, sp + b * D, D);
-        if (head >= Hq && slot[b] >= 0) {
-          std::copy_n(row, D, slot_row(k_cache, slot[b]) + (head - Hq) * D);
-          std::copy_n(row + nkv, D, slot_row(v_cache, slot[b]) + (head - Hq) * D);
-        }
+        rope_row(row, cp + r * D, sp + r * D, D);
+        if (head >= Hq && r < nd && slot[r] >= 0) to_cache(r, head - Hq, row);
       }
     }
 #pragma omp barrier
     {
       PagedAttention::Scratch scratch;
-      Chunks(paged.units(), 1, nt, next + 4 * nt).run(t, [&](int64_t u, int64_t) {
-        paged.unit(u, scratch);
+      const int64_t decodes = paged.units();
+      Chunks(decodes + chunks.units(), 1, nt, next + 4 * nt).run(t, [&](int64_t u, int64_t) {
+        if (u < decodes) paged.unit(u, scratch);
+        else chunks.unit(u - decodes, scratch);
       });
     }
 #pragma omp barrier
-    if (paged.rows_to_merge() > 0) {
+    // The prefill chunks' k and v go to the cache once their attention has read the ring
+    // slots a sliding-window chunk may overwrite.
+    if (paged.rows_to_merge() > 0 || T > nd) {
       auto [r0, r1] = rows(paged.rows_to_merge());
       for (int64_t r = r0; r < r1; ++r) paged.merge(r);
+      auto [i0, i1] = rows((T - nd) * Hkv);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t r = nd + i / Hkv, head = i % Hkv;
+        if (slot[r] >= 0) to_cache(r, head, qkv + r * nqkv + nq + head * D);
+      }
 #pragma omp barrier
     }
     multiply(1, o_m, sc.attn, h, nothing);
@@ -797,7 +903,7 @@ struct DecodeLayer {
     }
 #pragma omp barrier
     {
-      auto [r0, r1] = rows(B);
+      auto [r0, r1] = rows(T);
       for (int64_t r = r0; r < r1; ++r) {
         for (int64_t i = 0; i < H; ++i) h[r * H + i] += xp[r * H + i];
         norm_row(h + r * H, norm2, H, eps, off, sc.hn + r * H);
@@ -809,9 +915,9 @@ struct DecodeLayer {
       // activation at once.
       float *gu = sc.gu, *a = sc.a;
       Chunks(I, chunk_rows(H), nt, next + 2 * nt).run(t, [&](int64_t j0, int64_t j1) {
-        linear_rows(sc.hn, B, H, gate_up, nullptr, j0, j1, gu, 2 * I);
-        linear_rows(sc.hn, B, H, gate_up, nullptr, I + j0, I + j1, gu, 2 * I);
-        for (int64_t r = 0; r < B; ++r)
+        linear_rows(sc.hn, T, H, gate_up, nullptr, j0, j1, gu, 2 * I);
+        linear_rows(sc.hn, T, H, gate_up, nullptr, I + j0, I + j1, gu, 2 * I);
+        for (int64_t r = 0; r < T; ++r)
           gate_row(gu + r * 2 * I + j0, gu + r * 2 * I + I + j0, j1 - j0, act, a + r * I + j0);
       });
     }
@@ -819,14 +925,14 @@ struct DecodeLayer {
     if (pmn != nullptr) {
       multiply(3, down_m, sc.a, y, nothing);
 #pragma omp barrier
-      auto [r0, r1] = rows(B);
+      auto [r0, r1] = rows(T);
       for (int64_t r = r0; r < r1; ++r) {
         norm_row(y + r * H, pmn, H, eps, off, y + r * H);
         for (int64_t i = 0; i < H; ++i) y[r * H + i] += h[r * H + i];
       }
     } else {
       multiply(3, down_m, sc.a, y, [&](int64_t n0, int64_t n1) {
-        for (int64_t r = 0; r < B; ++r)
+        for (int64_t r = 0; r < T; ++r)
           for (int64_t i = n0; i < n1; ++i) y[r * H + i] += h[r * H + i];
       });
     }
@@ -834,37 +940,41 @@ struct DecodeLayer {
   }
 };
 
-// x [B, hidden] through L layers: per layer cos, sin, caches, slots, block tables, lengths and
-// window, and twelve entries of `weights` (see DecodeLayer; None for an absent optional one).
+// x [T, hidden] through L layers: per layer cos, sin [T, head_dim], caches, and its group's
+// slots, block tables, lengths, prefix lengths, cu_seqlens_q, number of decodes and window; and
+// twelve entries of `weights` (see DecoderLayer; None for an absent optional one).
 at::Tensor decoder_layers(const at::Tensor& x, at::TensorList cos, at::TensorList sin,
                           const c10::List<c10::optional<at::Tensor>>& weights,
                           at::TensorList k_caches, at::TensorList v_caches, at::TensorList slots,
                           at::TensorList block_tables, at::TensorList seq_lens,
-                          at::IntArrayRef windows, double eps, double offset, double scale,
-                          int64_t num_heads, int64_t act) {
+                          at::TensorList prefix_lens, at::TensorList cu_seqlens_q,
+                          at::IntArrayRef num_decodes, at::IntArrayRef windows, double eps,
+                          double offset, double scale, int64_t num_heads, int64_t act) {
   check_f32(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [B, hidden] matrix");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, hidden] matrix");
   const int64_t L = k_caches.size();
   TORCH_CHECK(L > 0 && cos.size() == L && sin.size() == L && v_caches.size() == L &&
                   slots.size() == L && block_tables.size() == L && seq_lens.size() == L &&
-                  windows.size() == L && weights.size() == 12 * L,
-              "one cos, sin, cache pair, slots, table, lengths, window and 12 weights per layer");
-  const int64_t B = x.size(0), H = x.size(1), threads = at::get_num_threads();
+                  prefix_lens.size() == L && cu_seqlens_q.size() == L &&
+                  num_decodes.size() == L && windows.size() == L && weights.size() == 12 * L,
+              "one cos, sin, cache pair, attention metadata and 12 weights per layer");
+  const int64_t T = x.size(0), H = x.size(1), threads = at::get_num_threads();
   const int64_t D = k_caches[0].size(3), nq = num_heads * D;
-  const LayerScratch scratch(B, H, nq + 2 * k_caches[0].size(2) * D, nq, required(weights, 10).size(1),
+  const LayerScratch scratch(T, H, nq + 2 * k_caches[0].size(2) * D, nq, required(weights, 10).size(1),
                              x.options());
-  std::vector<DecodeLayer> layers;
+  std::vector<DecoderLayer> layers;
   layers.reserve(L);
   for (int64_t l = 0; l < L; ++l) {
-    layers.emplace_back(B, H, cos[l], sin[l], weights, 12 * l, k_caches[l], v_caches[l],
-                        slots[l], block_tables[l], seq_lens[l], eps, offset, scale, num_heads,
-                        act, windows[l], scratch, threads);
+    layers.emplace_back(T, H, cos[l], sin[l], weights, 12 * l, k_caches[l], v_caches[l],
+                        slots[l], block_tables[l], seq_lens[l], prefix_lens[l], cu_seqlens_q[l],
+                        num_decodes[l], eps, offset, scale, num_heads, act, windows[l], scratch,
+                        threads);
     TORCH_CHECK(layers[l].nqkv == layers[0].nqkv && layers[l].I == layers[0].I,
                 "the layers must have one shape");
   }
   // Layer l reads outs[(l + 1) % 2] (x for the first) and writes outs[l % 2].
-  const at::Tensor outs[2] = {at::empty({B, H}, x.options()), at::empty({B, H}, x.options())};
-  const auto next = counters(DecodeLayer::COUNTERS * L, threads);
+  const at::Tensor outs[2] = {at::empty({T, H}, x.options()), at::empty({T, H}, x.options())};
+  const auto next = counters(DecoderLayer::COUNTERS * L, threads);
 
 #pragma omp parallel num_threads(threads)
   {
@@ -872,7 +982,7 @@ at::Tensor decoder_layers(const at::Tensor& x, at::TensorList cos, at::TensorLis
     for (int64_t l = 0; l < L; ++l) {
       const float* in = l == 0 ? x.data_ptr<float>() : outs[(l + 1) % 2].data_ptr<float>();
       layers[l].run(t, nt, in, outs[l % 2].data_ptr<float>(), scratch,
-                    next.get() + l * DecodeLayer::COUNTERS * threads);
+                    next.get() + l * DecoderLayer::COUNTERS * threads);
     }
   }
   return outs[(L - 1) % 2];
@@ -895,8 +1005,8 @@ TORCH_LIBRARY(kvserve_cpu, m) {
   m.def(
       "decoder_layers(Tensor x, Tensor[] cos, Tensor[] sin, Tensor?[] weights, "
       "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor[] slots, Tensor[] block_tables, "
-      "Tensor[] seq_lens, int[] windows, float eps, float offset, float scale, int num_heads, "
-      "int act) -> Tensor");
+      "Tensor[] seq_lens, Tensor[] prefix_lens, Tensor[] cu_seqlens_q, int[] num_decodes, "
+      "int[] windows, float eps, float offset, float scale, int num_heads, int act) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {

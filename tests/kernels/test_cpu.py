@@ -45,15 +45,16 @@ def test_linear_refuses_other_dtypes_and_mismatched_features():
         cpu.linear(torch.randn(1, 9), torch.randn(4, 8))
 
 
-def _paged(lens, bs, heads, dim, window, seed):
-    """Caches holding each sequence's context through a shuffled block table; NaN elsewhere."""
+def _paged(lens, bs, heads, dim, window, seed, filled=None):
+    """Caches holding each sequence's context (its first ``filled`` positions, default all of
+    ``lens``) through a shuffled block table; NaN elsewhere."""
     g = torch.Generator().manual_seed(seed)
     width = max((n + bs - 1) // bs for n in lens) if not window else (window + bs - 1) // bs + 1
     n_blocks = len(lens) * width + 3
     k_cache = torch.full((n_blocks, bs, heads, dim), float("nan"))
     v_cache = torch.full((n_blocks, bs, heads, dim), float("nan"))
     tables = torch.randperm(n_blocks, generator=g)[: len(lens) * width].view(len(lens), width)
-    for i, n in enumerate(lens):
+    for i, n in enumerate(lens if filled is None else filled):
         first = max(0, n - window) if window else 0
         pos = torch.arange(first, n)
         logical = pos // bs % width if window else pos // bs
@@ -200,23 +201,29 @@ def tiny_biased_llama_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "model,lens,threads",
-    [
-        ("llama", [1], None),
-        ("llama", [150], None),  # attention over parts of the context
-        ("llama", [5, 33, 17, 8], None),
-        ("llama", [5, 33, 17, 8], 3),  # shares of uneven sizes
-        ("llama", [3 * i + 1 for i in range(13)], None),  # past FEW rows: the tiles
-        ("biased_llama", [9, 1, 30], 1),
-        ("gemma3", [70, 9, 33], None),  # a sliding-window layer over its ring, a full one
-        ("gemma3", [40, 2], 1),
+    "model,seqs,threads",
+    [  # (cached tokens, new tokens) per sequence, decodes first
+        ("llama", [(0, 1)], None),
+        ("llama", [(149, 1)], None),  # attention over parts of the context
+        ("llama", [(4, 1), (32, 1), (16, 1), (7, 1)], None),
+        ("llama", [(4, 1), (32, 1), (16, 1), (7, 1)], 3),  # shares of uneven sizes
+        ("llama", [(3 * i, 1) for i in range(13)], None),  # past FEW rows: the tiles
+        ("llama", [(0, 37)], None),  # a prompt: blocks of query rows
+        ("llama", [(8, 1), (40, 1), (13, 37), (5, 0), (0, 6)], None),  # decodes and chunks
+        ("llama", [(70, 50)], 3),  # a chunk after a long prefix
+        ("biased_llama", [(8, 1), (0, 1), (29, 1)], 1),
+        ("biased_llama", [(3, 1), (0, 12)], 1),
+        ("gemma3", [(69, 1), (8, 1), (32, 1)], None),  # a sliding window over its ring
+        ("gemma3", [(39, 1), (1, 1)], 1),
+        ("gemma3", [(40, 1), (10, 50), (0, 45)], None),  # chunks longer than the window
     ],
 )
 def test_fused_decoder_layers_match_the_modules_and_write_the_same_caches(
-    request, model, lens, threads
+    request, monkeypatch, model, seqs, threads
 ):
-    """A step of decodes through every layer of the model in one kernel call (the CPU
-    backend) against the modules layer by layer (the torch backend): hidden states and caches."""
+    """A step of decodes and prefill chunks through every layer of the model in one kernel call
+    (the CPU backend) against the modules layer by layer (the torch backend): hidden states
+    and caches."""
     from kernels.paged import AttentionMetadata, ForwardContext
 
     if threads is not None:
@@ -224,37 +231,49 @@ def test_fused_decoder_layers_match_the_modules_and_write_the_same_caches(
         torch.set_num_threads(threads)
         request.addfinalizer(lambda: torch.set_num_threads(before))
     cfg, plain, fast = _plain_and_fast(request.getfixturevalue(f"tiny_{model}_dir"))
-    bs, b = 8, len(lens)
+    bs, b = 8, len(seqs)
+    prefix = torch.tensor([p for p, _ in seqs], dtype=torch.int32)
+    new = torch.tensor([n for _, n in seqs])
+    seq_lens = prefix + new.int()
+    num_decodes = next((i for i, (_, n) in enumerate(seqs) if n != 1), b)
+    row = torch.repeat_interleave(torch.arange(b), new)  # each new token's sequence
+    cu = torch.zeros(b + 1, dtype=torch.int32)
+    cu[1:] = new.cumsum(0)
+    pos = prefix[row].long() + torch.arange(len(row)) - cu[row].long()
+    # A decode's own position holds an older value (it is read back if its slot is -1); a
+    # chunk's cached prefix only.
+    filled = [p + 1 if i < num_decodes else p for i, (p, _) in enumerate(seqs)]
     groups = type(plain).kv_cache_groups(cfg, "float32")
     layer_to_group = [0] * cfg.num_layers
     metas, caches = [], [None] * cfg.num_layers
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    pos = seq_lens.long() - 1  # each sequence's new token
     for g, group in enumerate(groups):
         window = getattr(group.spec, "window_size", 0)
         k_cache, v_cache, tables, _ = _paged(
-            lens, bs, cfg.num_kv_heads, cfg.head_dim, window, seed=11 + g
+            seq_lens.tolist(), bs, cfg.num_kv_heads, cfg.head_dim, window, 11 + g, filled
         )
         for layer in group.layer_ids:
             layer_to_group[layer] = g
             caches[layer] = (k_cache, v_cache)
-        logical = pos // bs % tables.shape[1] if window else pos // bs
-        slots = tables[torch.arange(b), logical].long() * bs + pos % bs
-        if b > 1:
+        width = tables.shape[1]
+        logical = pos // bs % width if window else pos // bs
+        slots = tables[row, logical].long() * bs + pos % bs
+        if window:  # within a chunk the ring wraps: only the last width * bs tokens are kept
+            slots[pos < (seq_lens.long() - width * bs)[row]] = -1
+        if len(row) > 1:
             slots[1] = -1  # a token whose K/V is not kept (the scheduler's -1)
         metas.append(
             AttentionMetadata(
                 slot_mapping=slots,
                 block_tables=tables,
                 seq_lens=seq_lens,
-                prefix_lens=seq_lens - 1,
-                cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32),
-                num_decodes=b,
+                prefix_lens=prefix,
+                cu_seqlens_q=cu,
+                num_decodes=num_decodes,
                 window=window,
             )  # fmt: skip
         )
     assert len(groups) == (2 if model == "gemma3" else 1)
-    ids = torch.randint(0, cfg.vocab_size, (b,), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, cfg.vocab_size, (len(row),), generator=torch.Generator().manual_seed(1))
 
     def run(m, backend):
         copies = [(k.clone(), v.clone()) for k, v in caches]
@@ -263,10 +282,12 @@ def test_fused_decoder_layers_match_the_modules_and_write_the_same_caches(
         )
         return m(ids, pos, ctx), copies, ctx
 
+    calls = []
+    fused = cpu.decoder_layers
+    monkeypatch.setattr(cpu, "decoder_layers", lambda *a: calls.append(1) or fused(*a))
     out_plain, caches_plain, _ = run(plain, "torch")
-    out_fast, caches_fast, ctx = run(fast, "cpu")
-    assert all(layer.fused for layer in fast.model.layers)
-    assert all(ctx.decode_only(i) is not None for i in range(cfg.num_layers))
+    out_fast, caches_fast, _ = run(fast, "cpu")
+    assert calls == [1]  # all the layers in one call
     torch.testing.assert_close(out_fast, out_plain, rtol=1e-4, atol=1e-4)
     for ours, ref in zip(caches_fast, caches_plain):
         for a, c in zip(ours, ref):
