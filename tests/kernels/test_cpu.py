@@ -31,6 +31,13 @@ def test_linear_matches_f_linear(rows, k):
     torch.testing.assert_close(cpu.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows,k", [(200, 1030), (8000, 16)])
+def test_linear_of_an_input_larger_than_l2_adds_up_its_parts(rows, k):
+    torch.manual_seed(rows)
+    x, w, b = torch.randn(rows, k), torch.randn(29, k), torch.randn(29)
+    torch.testing.assert_close(cpu.linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-3)
+
+
 def test_linear_keeps_leading_dims_and_reads_non_contiguous_input():
     x = torch.randn(2, 3, 40)[:, :, :32]
     w = torch.randn(24, 32)
