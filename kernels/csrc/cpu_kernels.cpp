@@ -1,6 +1,7 @@
-// float32 CPU kernels for decode (AVX2 + FMA): linear layers at the memory bandwidth of the
-// weights, paged decode attention read straight from the block pool, and the small fused
-// operations around them (RMSNorm, rotary embedding, gated activations, cache writes).
+// float32 CPU kernels (AVX2 + FMA): linear layers at the memory bandwidth of the weights for
+// decode and near the FMA peak for prefill chunks, paged decode attention read straight from
+// the block pool, and the small fused operations around them (RMSNorm, rotary embedding, gated
+// activations, cache writes); a step's decoder layers in one parallel region.
 // Each has a plain torch counterpart (kernels.reference, models.layers) that tests compare.
 //
 // Linear: decode multiplies a few activation rows by every weight matrix, so the work is
