@@ -22,8 +22,8 @@ why = cpu.load()
 pytestmark = pytest.mark.skipif(why is not None, reason=f"kernels.cpu unavailable: {why}")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 17, 64])
-@pytest.mark.parametrize("k", [64, 72, 61])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 17, 64])
+@pytest.mark.parametrize("k", [64, 72, 61, 605])
 def test_linear_matches_f_linear(rows, k):
     torch.manual_seed(rows * 100 + k)
     x, w, b = torch.randn(rows, k), torch.randn(37, k), torch.randn(37)
