@@ -10,9 +10,10 @@ Measures the box's memory read bandwidth (a sum over 1 GiB, all torch threads), 
 server alone, waits for /health, and drives it with the same client (``bench.loadtest``: random
 prompts of --input-len tokens, --output-len tokens each, ignore_eos), one pass per concurrency.
 Peers come from ``../shared/peers/setup.sh`` (under ``$PEERS``, default /tmp/peers) and are
-skipped when absent. Per server: decode tok/s of one stream (1000 / mean TPOT), its fraction
-of the roofline (read bandwidth / weight bytes read per step), mean TTFT of one stream, and the
-total output tok/s at each higher concurrency. Each pass draws its own prompts (seed +
+skipped when absent. Each server first answers one request that is not kept (warm-up). Per
+server: decode tok/s of one stream (1000 / median TPOT), its fraction of the roofline (read
+bandwidth / weight bytes read per step), median TTFT of one stream, and the total output tok/s
+at each higher concurrency. Each pass draws its own prompts (seed +
 concurrency), so no server answers from a prompt cache filled by an earlier pass. Compare
 figures of the same run only: the box's bandwidth moves from run to run, and within a run
 (another tenant's load); ``--rounds N`` runs the servers in turn N times and reports each
@@ -177,17 +178,18 @@ def run_server(server: Server, port: int, args: argparse.Namespace, log_dir: Pat
         if root is None:
             return {"error": f"did not start (see {log_dir / server.name}.log)"}
         passes = {}
-        for c in args.concurrency:
+        for c in [0, *args.concurrency]:  # 0: one request that warms the server up, not kept
             config = BenchConfig(
-                base_url=root + "/v1", model=server.model, num_prompts=args.prompts,
-                max_concurrency=c, input_len=args.input_len, output_len=args.output_len,
+                base_url=root + "/v1", model=server.model, num_prompts=args.prompts if c else 1,
+                max_concurrency=max(c, 1), input_len=args.input_len, output_len=args.output_len,
                 ignore_eos=True, scrape_interval_s=0, seed=args.seed + c,
             )  # fmt: skip
             s = asyncio.run(run_benchmark(config)).summary
             passes[c] = dict(
-                output_tok_s=s.output_throughput, ttft_ms=s.ttft.mean_ms,
-                tpot_ms=s.tpot.mean_ms, failed=s.failed, completed=s.completed,
+                output_tok_s=s.output_throughput, ttft_ms=s.ttft.median_ms,
+                tpot_ms=s.tpot.median_ms, failed=s.failed, completed=s.completed,
             )  # fmt: skip
+        del passes[0]
         return passes
 
 
