@@ -13,8 +13,8 @@ Peers come from ``../shared/peers/setup.sh`` (under ``$PEERS``, default /tmp/pee
 skipped when absent. Each server first answers one request that is not kept (warm-up). Per
 server: decode tok/s of one stream (1000 / median TPOT), its fraction of the roofline (read
 bandwidth / weight bytes read per step), median TTFT of one stream, and the total output tok/s
-at each higher concurrency. Each pass draws its own prompts (seed +
-concurrency), so no server answers from a prompt cache filled by an earlier pass. Compare
+at each higher concurrency. Each pass draws its own prompts (seed + concurrency), so no
+server answers from a prompt cache filled by an earlier pass. Compare
 figures of the same run only: the box's bandwidth moves from run to run, and within a run
 (another tenant's load); ``--rounds N`` runs the servers in turn N times and reports each
 figure's median, so that a slow minute does not decide the comparison.
@@ -177,19 +177,22 @@ def run_server(server: Server, port: int, args: argparse.Namespace, log_dir: Pat
     with started(server, port, log_dir) as root:
         if root is None:
             return {"error": f"did not start (see {log_dir / server.name}.log)"}
-        passes = {}
-        for c in [0, *args.concurrency]:  # 0: one request that warms the server up, not kept
-            config = BenchConfig(
-                base_url=root + "/v1", model=server.model, num_prompts=args.prompts if c else 1,
-                max_concurrency=max(c, 1), input_len=args.input_len, output_len=args.output_len,
+
+        def config(c: int, prompts: int) -> BenchConfig:
+            return BenchConfig(
+                base_url=root + "/v1", model=server.model, num_prompts=prompts,
+                max_concurrency=c, input_len=args.input_len, output_len=args.output_len,
                 ignore_eos=True, scrape_interval_s=0, seed=args.seed + c,
             )  # fmt: skip
-            s = asyncio.run(run_benchmark(config)).summary
+
+        asyncio.run(run_benchmark(config(1, 1)))  # warm-up, not kept
+        passes = {}
+        for c in args.concurrency:
+            s = asyncio.run(run_benchmark(config(c, args.prompts))).summary
             passes[c] = dict(
                 output_tok_s=s.output_throughput, ttft_ms=s.ttft.median_ms,
                 tpot_ms=s.tpot.median_ms, failed=s.failed, completed=s.completed,
             )  # fmt: skip
-        del passes[0]
         return passes
 
 

@@ -110,10 +110,10 @@ def gated_act(h: torch.Tensor, activation: str) -> torch.Tensor:
 def decoder_layers(x, rope: list, weights: list, caches: list, metas: list, config: tuple):
     """Pre-norm decoder layers for a step's new tokens (decodes and prefill chunks), in one call
     (see the C++ source). Per layer: ``rope`` its (cos, sin) per token, ``caches`` its
-    (k_cache, v_cache), ``metas`` its group's
-    ``AttentionMetadata``, and twelve entries of ``weights``: norm1, qkv weight and bias, q_norm,
-    k_norm, o weight and bias, post-attention norm, norm2, gate_up weight, down weight, post-MLP
-    norm (optional ones None). ``config`` (eps, norm offset, scale, num_heads, activation)."""
+    (k_cache, v_cache), ``metas`` its group's ``AttentionMetadata``, and twelve entries of
+    ``weights``: norm1, qkv weight and bias, q_norm, k_norm, o weight and bias, post-attention
+    norm, norm2, gate_up weight, down weight, post-MLP norm (optional ones None). ``config``
+    (eps, norm offset, scale, num_heads, activation)."""
     eps, offset, scale, heads, act = config
     return _ops().decoder_layers(
         x, [c for c, _ in rope], [s for _, s in rope], weights, [k for k, _ in caches],

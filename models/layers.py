@@ -121,12 +121,12 @@ def fused_layers(layers, x: torch.Tensor, rope: list, ctx) -> torch.Tensor | Non
     (``ctx.cpu_fused``); None when the modules must run."""
     if not all(layer.fused for layer in layers) or x.shape[0] > cpu.MAX_ROWS:
         return None
-    decode = [ctx.cpu_fused(layer.self_attn.layer_id) for layer in layers]
-    if any(d is None for d in decode):
+    attention = [ctx.cpu_fused(layer.self_attn.layer_id) for layer in layers]
+    if any(a is None for a in attention):
         return None
     args = [layer.fused_args for layer in layers]
     weights = [w for layer_weights, _ in args for w in layer_weights]
-    caches, metas = [(k, v) for k, v, _ in decode], [m for _, _, m in decode]
+    caches, metas = [(k, v) for k, v, _ in attention], [m for _, _, m in attention]
     return cpu.decoder_layers(x, rope, weights, caches, metas, args[0][1])
 
 

@@ -18,6 +18,7 @@
 #include <atomic>
 #include <cmath>
 #include <memory>
+#include <utility>
 #include <vector>
 #include <torch/library.h>
 
@@ -411,6 +412,44 @@ void check_f32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
 }
 
+// One layer's paged cache as the attention kernels read it: per sequence a block table of W
+// blocks (a ring of W with a window), a slot's heads adjacent in its row.
+struct CacheView {
+  const float *k, *v;
+  const int32_t* tables;
+  int64_t bs, W, window, ks0, ks1, ks2, vs0, vs1, vs2;
+
+  CacheView(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables_,
+            int64_t window_)
+      : k(k_cache.data_ptr<float>()), v(v_cache.data_ptr<float>()),
+        tables(tables_.data_ptr<int32_t>()), bs(k_cache.size(1)), W(tables_.size(1)),
+        window(window_), ks0(k_cache.stride(0)), ks1(k_cache.stride(1)), ks2(k_cache.stride(2)),
+        vs0(v_cache.stride(0)), vs1(v_cache.stride(1)), vs2(v_cache.stride(2)) {}
+
+  // Head 0's key and value rows of sequence b at position pos; the next positions of its block
+  // follow ks1 and vs1 apart.
+  std::pair<const float*, const float*> rows(int64_t b, int64_t pos) const {
+    const int64_t logical = window > 0 ? (pos / bs) % W : pos / bs;
+    const int64_t block = tables[b * W + logical], off = pos % bs;
+    return {k + block * ks0 + off * ks1, v + block * vs0 + off * vs1};
+  }
+};
+
+// out[Dv] = softmax(scale * q . krows[i]) . vrows over n rows, the scores in `scores`;
+// returns their max and the sum of exp(score - max) (0 with no rows). `ahead`, `next` and
+// `ahead_next` as scores_of.
+std::pair<float, float> attend(const float* q, const float* const* krows,
+                               const float* const* vrows, int64_t n, int64_t Dk, int64_t Dv,
+                               float scale, float* scores, float* out, int64_t ahead = 0,
+                               const float* const* next = nullptr, int64_t ahead_next = 0) {
+  scores_of(q, krows, n, Dk, scale, scores, ahead, next, ahead_next);
+  float mx = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, scores[i]);
+  const float sum = n > 0 ? exp_shifted(scores, n, mx) : 0.f;
+  weighted_sum(scores, vrows, n, Dv, sum > 0 ? 1.f / sum : 0.f, out);
+  return {mx, sum};
+}
+
 // Paged decode attention: one query token per sequence, its context read through the block
 // table (ring of W blocks with a window) from caches of any row stride (MLA's value is a view
 // of its key rows); softmax in float32, as the reference. The work is a set of units, each a
@@ -419,11 +458,11 @@ void check_f32(const at::Tensor& t, const char* name) {
 // threads (a batch of one), each context is cut into parts whose partial softmax results
 // (max, sum and normalized output per query head) are merged after, as flash-decoding does.
 struct PagedAttention {
-  const float *q, *k, *v;  // q row b at q + b * q_stride, [Hq, Dk]
-  float* out;              // [B, Hq, Dv]
-  const int32_t *tables, *lens;
-  int64_t B, Hq, Hkv, G, Dk, Dv, bs, W, window, q_stride;
-  int64_t ks0, ks1, ks2, vs0, vs1, vs2;
+  const float* q;  // q row b at q + b * q_stride, [Hq, Dk]
+  float* out;      // [B, Hq, Dv]
+  CacheView cache;
+  const int32_t* lens;
+  int64_t B, Hq, Hkv, G, Dk, Dv, q_stride;
   float scale;
   int64_t parts = 1;
   at::Tensor partial;  // [units, Hq, 2 + Dv]: max, sum, output; only with parts > 1
@@ -434,13 +473,10 @@ struct PagedAttention {
                  const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables_,
                  const at::Tensor& lens_, float scale_, int64_t window_, float* out_,
                  int64_t threads)
-      : q(q_), k(k_cache.data_ptr<float>()), v(v_cache.data_ptr<float>()), out(out_),
-        tables(tables_.data_ptr<int32_t>()), lens(lens_.data_ptr<int32_t>()), B(B_), Hq(Hq_),
-        Hkv(k_cache.size(2)), G(Hq_ / k_cache.size(2)), Dk(k_cache.size(3)),
-        Dv(v_cache.size(3)), bs(k_cache.size(1)), W(tables_.size(1)), window(window_),
-        q_stride(q_stride_), ks0(k_cache.stride(0)), ks1(k_cache.stride(1)),
-        ks2(k_cache.stride(2)), vs0(v_cache.stride(0)), vs1(v_cache.stride(1)),
-        vs2(v_cache.stride(2)), scale(scale_) {
+      : q(q_), out(out_), cache(k_cache, v_cache, tables_, window_),
+        lens(lens_.data_ptr<int32_t>()), B(B_), Hq(Hq_), Hkv(k_cache.size(2)),
+        G(Hq_ / k_cache.size(2)), Dk(k_cache.size(3)), Dv(v_cache.size(3)), q_stride(q_stride_),
+        scale(scale_) {
     int64_t longest = 0;
     for (int64_t b = 0; b < B; ++b) longest = std::max<int64_t>(longest, span(b));
     const int64_t wanted = (2 * threads + B - 1) / std::max<int64_t>(1, B);
@@ -449,7 +485,9 @@ struct PagedAttention {
   }
 
   int64_t units() const { return B * parts; }
-  int64_t first(int64_t b) const { return window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0; }
+  int64_t first(int64_t b) const {
+    return cache.window > 0 ? std::max<int64_t>(0, lens[b] - cache.window) : 0;
+  }
   int64_t span(int64_t b) const { return lens[b] - first(b); }
 
   struct Scratch {
@@ -466,36 +504,31 @@ struct PagedAttention {
     s.vrows.resize(n);
     // Head 0's rows of positions lo .. hi - 1, one table lookup per block (a ring of W with a
     // window); each further head's rows are these moved by the head stride.
+    const CacheView& c = cache;
     for (int64_t pos = lo; pos < hi;) {
-      const int64_t logical = window > 0 ? (pos / bs) % W : pos / bs;
-      const int64_t block = tables[b * W + logical], off = pos % bs;
-      const int64_t m = std::min(bs - off, hi - pos);
+      const auto [kr, vr] = c.rows(b, pos);
+      const int64_t m = std::min(c.bs - pos % c.bs, hi - pos);
       for (int64_t j = 0; j < m; ++j) {
-        s.krows[pos - lo + j] = k + block * ks0 + (off + j) * ks1;
-        s.vrows[pos - lo + j] = v + block * vs0 + (off + j) * vs1;
+        s.krows[pos - lo + j] = kr + j * c.ks1;
+        s.vrows[pos - lo + j] = vr + j * c.vs1;
       }
       pos += m;
     }
     for (int64_t h = 0; h < Hkv; ++h) {
       if (h > 0)
-        for (int64_t i = 0; i < n; ++i) s.krows[i] += ks2, s.vrows[i] += vs2;
+        for (int64_t i = 0; i < n; ++i) s.krows[i] += c.ks2, s.vrows[i] += c.vs2;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t hq = h * G + g;
         // The cache has usually left the CPU caches since the layer's last step (the weights
         // streamed through them): the first pass requests every head's rows ahead.
         const bool ahead = h == 0 && g == 0;
-        scores_of(q + b * q_stride + hq * Dk, s.krows.data(), n, Dk, scale, s.scores.data(),
-                  ahead ? (Hkv - 1) * ks2 + Dk : 0, ahead ? s.vrows.data() : nullptr,
-                  (Hkv - 1) * vs2 + Dv);
-        float mx = -INFINITY;
-        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s.scores[i]);
-        const float sum = n > 0 ? exp_shifted(s.scores.data(), n, mx) : 0.f;
-        float* o = out + (b * Hq + hq) * Dv;
-        if (parts > 1) {
-          float* p = partial.data_ptr<float>() + (u * Hq + hq) * (2 + Dv);
-          p[0] = mx, p[1] = sum, o = p + 2;
-        }
-        weighted_sum(s.scores.data(), s.vrows.data(), n, Dv, sum > 0 ? 1.f / sum : 0.f, o);
+        float* p = parts > 1 ? partial.data_ptr<float>() + (u * Hq + hq) * (2 + Dv) : nullptr;
+        const auto [mx, sum] =
+            attend(q + b * q_stride + hq * Dk, s.krows.data(), s.vrows.data(), n, Dk, Dv, scale,
+                   s.scores.data(), p != nullptr ? p + 2 : out + (b * Hq + hq) * Dv,
+                   ahead ? (Hkv - 1) * c.ks2 + Dk : 0, ahead ? s.vrows.data() : nullptr,
+                   (Hkv - 1) * c.vs2 + Dv);
+        if (p != nullptr) p[0] = mx, p[1] = sum;
       }
     }
   }
@@ -542,11 +575,11 @@ void check_paged(const at::Tensor& k_cache, const at::Tensor& v_cache,
 // one KV head with its query heads: its keys and values stay in the CPU caches for all of them.
 struct PrefillAttention {
   static constexpr int64_t ROWS = 16;
-  const float *qkv, *k, *v;
+  const float* qkv;
   float* out;  // [T, Hq, D]
-  const int32_t *tables, *prefix, *cu;
-  int64_t Hq, Hkv, G, D, nqkv, bs, W, window;
-  int64_t ks0, ks1, ks2, vs0, vs1, vs2;
+  CacheView cache;
+  const int32_t *prefix, *cu;
+  int64_t Hq, Hkv, G, D, nqkv;
   float scale;
   std::vector<int64_t> seq, row0;  // per block of rows: its sequence and first row
 
@@ -554,22 +587,21 @@ struct PrefillAttention {
                    const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& tables_, const at::Tensor& prefix_, const at::Tensor& cu_,
                    float scale_, int64_t window_, float* out_)
-      : qkv(qkv_), k(k_cache.data_ptr<float>()), v(v_cache.data_ptr<float>()), out(out_),
-        tables(tables_.data_ptr<int32_t>()), prefix(prefix_.data_ptr<int32_t>()),
-        cu(cu_.data_ptr<int32_t>()), Hq(Hq_), Hkv(k_cache.size(2)), G(Hq_ / k_cache.size(2)),
-        D(k_cache.size(3)), nqkv(nqkv_), bs(k_cache.size(1)), W(tables_.size(1)),
-        window(window_), ks0(k_cache.stride(0)), ks1(k_cache.stride(1)),
-        ks2(k_cache.stride(2)), vs0(v_cache.stride(0)), vs1(v_cache.stride(1)),
-        vs2(v_cache.stride(2)), scale(scale_) {
+      : qkv(qkv_), out(out_), cache(k_cache, v_cache, tables_, window_),
+        prefix(prefix_.data_ptr<int32_t>()), cu(cu_.data_ptr<int32_t>()), Hq(Hq_),
+        Hkv(k_cache.size(2)), G(Hq_ / k_cache.size(2)), D(k_cache.size(3)), nqkv(nqkv_),
+        scale(scale_) {
     for (int64_t b = nd; b < prefix_.numel(); ++b) {
-      TORCH_CHECK(prefix[b] >= 0 && (window > 0 || prefix[b] <= W * bs),
+      TORCH_CHECK(prefix[b] >= 0 && (window_ > 0 || prefix[b] <= cache.W * cache.bs),
                   "a prefix is longer than its block table");
       for (int64_t r = cu[b]; r < cu[b + 1]; r += ROWS) seq.push_back(b), row0.push_back(r);
     }
   }
 
   int64_t units() const { return static_cast<int64_t>(seq.size()) * Hkv; }
-  int64_t lowest(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
+  int64_t lowest(int64_t pos) const {
+    return cache.window > 0 ? std::max<int64_t>(0, pos - cache.window + 1) : 0;
+  }
 
   void unit(int64_t u, PagedAttention::Scratch& s) const {
     const int64_t b = seq[u / Hkv], h = u % Hkv, r0 = row0[u / Hkv];
@@ -581,10 +613,8 @@ struct PrefillAttention {
     for (int64_t pos = lo; pos < hi; ++pos) {
       const float *kr, *vr;
       if (pos < P) {
-        const int64_t logical = window > 0 ? (pos / bs) % W : pos / bs;
-        const int64_t block = tables[b * W + logical], off = pos % bs;
-        kr = k + block * ks0 + off * ks1 + h * ks2;
-        vr = v + block * vs0 + off * vs1 + h * vs2;
+        const auto [k0, v0] = cache.rows(b, pos);
+        kr = k0 + h * cache.ks2, vr = v0 + h * cache.vs2;
       } else {
         kr = qkv + (c0 + pos - P) * nqkv + Hq * D + h * D;
         vr = kr + Hkv * D;
@@ -593,15 +623,9 @@ struct PrefillAttention {
     }
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t pos = P + r - c0, a = lowest(pos) - lo, m = pos - lowest(pos) + 1;
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t hq = h * G + g;
-        float* sc = s.scores.data();
-        scores_of(qkv + r * nqkv + hq * D, s.krows.data() + a, m, D, scale, sc, 0, nullptr, 0);
-        float mx = -INFINITY;
-        for (int64_t i = 0; i < m; ++i) mx = std::max(mx, sc[i]);
-        const float sum = exp_shifted(sc, m, mx);
-        weighted_sum(sc, s.vrows.data() + a, m, D, 1.f / sum, out + (r * Hq + hq) * D);
-      }
+      for (int64_t hq = h * G; hq < (h + 1) * G; ++hq)
+        attend(qkv + r * nqkv + hq * D, s.krows.data() + a, s.vrows.data() + a, m, D, D, scale,
+               s.scores.data(), out + (r * Hq + hq) * D);
     }
   }
 };
