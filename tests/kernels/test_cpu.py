@@ -31,10 +31,10 @@ def test_linear_matches_f_linear(rows, k):
     torch.testing.assert_close(cpu.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows,k", [(200, 1030), (8000, 16)])
-def test_linear_of_an_input_larger_than_l2_adds_up_its_parts(rows, k):
+@pytest.mark.parametrize("rows,k,n", [(200, 1030, 29), (8000, 16, 29), (40, 576, 103)])
+def test_linear_of_many_rows_in_whole_and_partial_tiles(rows, k, n):
     torch.manual_seed(rows)
-    x, w, b = torch.randn(rows, k), torch.randn(29, k), torch.randn(29)
+    x, w, b = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
     torch.testing.assert_close(cpu.linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-3)
 
 
