@@ -28,9 +28,10 @@ from torch import nn
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
-# Input rows up to which ``FastLinear`` takes the kernel; above, F.linear (MKL), which is as
-# fast once a GEMM is compute-bound (measured by ``python -m bench.cpu --linear``).
-MAX_ROWS = 128
+# Input rows up to which ``FastLinear`` takes the kernel and a step's decoder layers are one
+# call; above, F.linear (MKL), as fast from ~1024 rows on and faster at 2048 (measured by
+# ``python -m bench.cpu --linear``).
+MAX_ROWS = 1024
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}
 
 

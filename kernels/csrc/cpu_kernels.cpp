@@ -6,7 +6,8 @@
 //
 // Linear: decode multiplies a few activation rows by every weight matrix, so the work is
 // reading the weights once. Each thread owns a contiguous run of output features and reads its
-// weight rows front to back, once; longer inputs (short prefill chunks) reuse register tiles.
+// weight rows front to back, once; more rows (prefill chunks) are packed into panels that
+// register tiles reuse.
 // Weights stay in nn.Linear's own [out, in] layout, shared with torch.
 
 #include <ATen/ATen.h>
