@@ -213,9 +213,10 @@ inline void panel_tile(const float* xt, int64_t K, const float* w, int64_t nr, i
   // The sums leave the registers in one pass of constant indices (indexed by the run-time
   // bounds below, they would be kept in memory all through the loop).
   alignas(32) float out[V][8][8];
-  for (int v = 0; v < V; ++v)
-    for (int r = 0; r < 8; ++r)
-      _mm256_store_ps(out[v][r], r < R ? acc[r < R ? r : 0][v] : _mm256_setzero_ps());
+  for (int v = 0; v < V; ++v) {
+    for (int r = 0; r < R; ++r) _mm256_store_ps(out[v][r], acc[r][v]);
+    for (int r = R; r < 8; ++r) _mm256_store_ps(out[v][r], _mm256_setzero_ps());
+  }
   alignas(32) static const int32_t lanes[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
   const __m256i mask = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes + 8 - nr));
   for (int v = 0; v < V && v * 8 < mr; ++v) {
