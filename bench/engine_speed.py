@@ -21,7 +21,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.args import add_cli_args
-from engine.tp_workers import threads_per_rank
+from engine.worker.tp_workers import threads_per_rank
 
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",

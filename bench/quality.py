@@ -43,8 +43,8 @@ from tqdm import tqdm
 
 from engine import LLM, SamplingParams
 from engine.args import EngineArgs
-from engine.context_overflow import ContextOverflow, round_up
-from engine.outputs import RequestOutput
+from engine.core.context_overflow import ContextOverflow, round_up
+from engine.core.outputs import RequestOutput
 from models.fetch import cache_root
 
 DEFAULT_CHUNK = 64

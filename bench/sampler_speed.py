@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
+from engine.worker.sampler import Sampler
 
 MIXED = [
     SamplingParams(temperature=0.8, top_p=0.9),

@@ -14,9 +14,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.context_overflow import CONTEXT_POLICIES, DEFAULT_POLICY, ContextOverflow
-from engine.preemption import PREEMPTION_MODES
-from kernels.backend import backend_names
+from engine.core.context_overflow import CONTEXT_POLICIES, DEFAULT_POLICY, ContextOverflow
+from engine.core.preemption import PREEMPTION_MODES
+from engine.worker.config import RunnerConfig, resolve_device
+from kernels.backend import backend_names, default_backend
+from models.config import ModelConfig
+from models.fetch import resolve_model
 from models.kv_spec import DTYPES
 
 ENGINE = "engine"
@@ -161,6 +164,25 @@ class EngineArgs:
     def default_overflow(self) -> ContextOverflow:
         """The server's context-overflow choice, which a request's ``overflow`` replaces."""
         return ContextOverflow(self.context_overflow, self.context_n_keep, self.context_n_discard)
+
+    def runner_config(
+        self, model_config: ModelConfig | None = None, eos_token_ids: tuple[int, ...] = ()
+    ) -> RunnerConfig:
+        """The model runner's settings, resolved once: the checkpoint's config (parsed here
+        unless given), the device, the dtype and the attention backend."""
+        if model_config is None:
+            model_config = ModelConfig.from_dir(resolve_model(self.model))
+        device = resolve_device(self.device)
+        return RunnerConfig(
+            model_config,
+            self.dtype or ("bfloat16" if device.type == "cuda" else "float32"),
+            str(device),
+            self.attention_backend or default_backend(device, self.cpu_kernels),
+            self.cpu_kernels,
+            self.seed,
+            self.tensor_parallel_size,
+            eos_token_ids,
+        )
 
 
 def _settings(cls: type = EngineArgs) -> dict[str, tuple[dataclasses.Field, Setting]]:

@@ -17,10 +17,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from engine.args import EngineArgs
-from engine.errors import EngineDeadError
+from engine.core.errors import EngineDeadError
+from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("kvserve.engine")
 

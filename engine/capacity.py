@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import GIB, CacheConfig, split_memory
+from engine.core.config import GIB, CacheConfig, split_memory
 from models.config import ModelConfig
 from models.fetch import resolve_model
 from models.kv_spec import MLASpec

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine.args import EngineArgs
+from engine.core.outputs import CompletionOutput, RequestOutput
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
 
 
 class LLM:

@@ -9,8 +9,8 @@ import torch
 
 from engine.args import EngineArgs
 from engine.capacity import format_capacity
-from engine.config import GIB, CacheConfig, SchedulerConfig, split_memory
-from engine.context_overflow import (
+from engine.core.config import GIB, CacheConfig, SchedulerConfig, split_memory
+from engine.core.context_overflow import (
     ContextDecision,
     ContextPolicy,
     ContextState,
@@ -18,19 +18,19 @@ from engine.context_overflow import (
     Reject,
     context_policy,
 )
+from engine.core.errors import QueueFullError, RequestError
+from engine.core.kv_manager import KVCacheManager
+from engine.core.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.core.preemption import Admission
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import QueueFullError, RequestError
-from engine.kv_manager import KVCacheManager
-from engine.memory import MemoryProfile
 from engine.metrics import EngineMetrics
-from engine.model_runner import build_runner, resolve_device
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.preemption import Admission
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.structured import Grammars
-from engine.tp_workers import Workers
+from engine.worker.memory import MemoryProfile
+from engine.worker.model_runner import ModelRunner
+from engine.worker.structured import Grammars
+from engine.worker.tp_workers import Workers
 from models.config import ModelConfig
 from models.fetch import resolve_model
 from models.kv_spec import KVCacheGroup
@@ -51,16 +51,17 @@ class LLMEngine:
         # Random-weight test checkpoints may come without a tokenizer: token-id prompts only.
         has_tokenizer = (path / "tokenizer.json").exists()
         self.tokenizer = Tokenizer.from_dir(path) if has_tokenizer else None
-        self.device = resolve_device(args.device)
         self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
         eos = tuple(dict.fromkeys(tokenizer_eos + self.model_config.eos_token_ids))
         vocab = self.model_config.vocab_size
         self.grammars = Grammars(path / "tokenizer.json", vocab, eos) if has_tokenizer else None
+        runner_config = args.runner_config(self.model_config, eos)
+        self.device = runner_config.torch_device
         # Ranks 1..N-1 load their shares while this one loads its own.
-        self.workers = Workers(args, self.device) if tp_size > 1 else None
-        self.runner = build_runner(args, TPRank(0, tp_size), eos, self.grammars)
-        dtype = str(self.runner.dtype).removeprefix("torch.")
+        self.workers = Workers(runner_config) if tp_size > 1 else None
+        self.runner = ModelRunner(runner_config, TPRank(0, tp_size), self.grammars)
+        dtype = runner_config.dtype
         self.cache_config = self._cache_config(self.runner.groups)
         self.runner.allocate_kv_cache(self.cache_config)
         if self.workers is not None:

@@ -11,10 +11,10 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from engine.capacity import capacity
-from engine.config import CacheConfig
-from engine.context_overflow import CONTEXT_POLICIES
-from engine.request import Request
-from engine.scheduler import SchedulerEvents
+from engine.core.config import CacheConfig
+from engine.core.context_overflow import CONTEXT_POLICIES
+from engine.core.request import Request
+from engine.core.scheduler import SchedulerEvents
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 PREEMPTION_MODES = ("recompute", "swap")

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.weights import DecoderLayerWeights
+
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 # Input rows up to which ``FastLinear`` takes the kernel and a step's decoder layers are one
@@ -108,14 +110,20 @@ def gated_act(h: torch.Tensor, activation: str) -> torch.Tensor:
     return _ops().gated_act(h, ACTIVATIONS[activation])
 
 
-def decoder_layers(x, rope: list, weights: list, caches: list, metas: list, config: tuple):
+def decoder_layers(
+    x, rope: list, layers: list[DecoderLayerWeights], caches: list, metas: list, config: tuple
+):
     """Pre-norm decoder layers for a step's new tokens (decodes and prefill chunks), in one call
-    (see the C++ source). Per layer: ``rope`` its (cos, sin) per token, ``caches`` its
-    (k_cache, v_cache), ``metas`` its group's ``AttentionMetadata``, and twelve entries of
-    ``weights``: norm1, qkv weight and bias, q_norm, k_norm, o weight and bias, post-attention
-    norm, norm2, gate_up weight, down weight, post-MLP norm (optional ones None). ``config``
+    (see the C++ source). Per layer: ``rope`` its (cos, sin) per token, ``layers`` its weights,
+    ``caches`` its (k_cache, v_cache), ``metas`` its group's ``AttentionMetadata``. ``config``
     (eps, norm offset, scale, num_heads, activation)."""
     eps, offset, scale, heads, act = config
+    weights = []
+    for w in layers:
+        weights += [
+            w.input_norm, w.qkv.data, w.qkv.bias, w.q_norm, w.k_norm, w.o.data, w.o.bias,
+            w.post_attention_norm, w.mlp_norm, w.gate_up.data, w.down.data, w.post_mlp_norm,
+        ]  # fmt: skip
     return _ops().decoder_layers(
         x, [c for c, _ in rope], [s for _, s in rope], weights, [k for k, _ in caches],
         [v for _, v in caches], [m.slot_mapping for m in metas], [m.block_tables for m in metas],

@@ -26,6 +26,10 @@ class ModelConfig:
             raw = {**text, "architectures": raw.get("architectures")}
         return cls(path, MappingProxyType(raw))
 
+    def __reduce__(self):
+        # Sent whole to tensor-parallel ranks; a mappingproxy does not pickle, its dict does.
+        return _rebuild, (self.path, dict(self.hf))
+
     def get(self, key: str, default: Any = None) -> Any:
         return self.hf.get(key, default)
 
@@ -74,3 +78,7 @@ class ModelConfig:
         if eos is None:
             return ()
         return tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+def _rebuild(path: Path, hf: dict) -> ModelConfig:
+    return ModelConfig(path, MappingProxyType(hf))

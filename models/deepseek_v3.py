@@ -199,8 +199,8 @@ class TopkRouter(nn.Module):
 
 # Token counts up to this run the routed experts on the gathered path, which makes no host
 # sync and whose shapes depend only on the token count: it covers every decode batch the engine
-# captures in a CUDA graph (engine.cuda_graphs.BATCH_SIZES, up to 256). Larger counts (prefill)
-# take the grouped path, which reads each chosen expert's weights once.
+# captures in a CUDA graph (engine.worker.cuda_graphs.BATCH_SIZES, up to 256). Larger counts
+# (prefill) take the grouped path, which reads each chosen expert's weights once.
 GATHER_MAX_TOKENS = 256
 # Expert weights the gathered path copies at once, in bytes: it runs over chunks of tokens, so
 # that a large batch of a large model never holds T * top_k copies of an expert's weights.

@@ -17,6 +17,7 @@ from torch import nn
 
 from kernels import cpu
 from kernels.cpu import FastLinear
+from kernels.weights import DecoderLayerWeights, Weight
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -96,10 +97,10 @@ class DecoderLayer(nn.Module):
         def w(m):
             return None if m is None else m.weight
 
-        weights = (
-            norm1.weight, a.qkv_proj.weight, a.qkv_proj.bias, w(q_norm), w(k_norm),
-            a.o_proj.weight, a.o_proj.bias, w(post_attn), norm2.weight, mlp.gate_up.weight,
-            mlp.down_proj.weight, w(post_mlp),
+        weights = DecoderLayerWeights(
+            norm1.weight, Weight(a.qkv_proj.weight, a.qkv_proj.bias),
+            Weight(a.o_proj.weight, a.o_proj.bias), norm2.weight, Weight(mlp.gate_up.weight),
+            Weight(mlp.down_proj.weight), w(q_norm), w(k_norm), w(post_attn), w(post_mlp),
         )  # fmt: skip
         return weights, (norm1.eps, norm1.offset, a.scale, a.num_heads, mlp.activation)
 
@@ -125,7 +126,7 @@ def fused_layers(layers, x: torch.Tensor, rope: list, ctx) -> torch.Tensor | Non
     if any(a is None for a in attention):
         return None
     args = [layer.fused_args for layer in layers]
-    weights = [w for layer_weights, _ in args for w in layer_weights]
+    weights = [layer_weights for layer_weights, _ in args]
     caches, metas = [(k, v) for k, v, _ in attention], [m for _, _, m in attention]
     return cpu.decoder_layers(x, rope, weights, caches, metas, args[0][1])
 

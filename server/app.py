@@ -18,9 +18,9 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import EngineRequest
-from engine.errors import QueueFullError, RequestError
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.core.errors import QueueFullError, RequestError
+from engine.core.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.core.sampling_params import SamplingParams
 from server.args import ServerArgs
 from server.guard import Guard
 from server.protocol import (

@@ -151,14 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     if ns.command == "serve":
         args = engine_args(parser, ns)
-        from engine.tp_workers import launched, run_rank
+        from engine.worker.tp_workers import launched, run_rank
 
         try:
             launch = launched(args.tensor_parallel_size)
         except ValueError as e:
             parser.error(str(e))
         if launch is not None and launch.tp.rank > 0:  # started by torchrun: rank 0 serves
-            run_rank(args, launch)
+            run_rank(args.runner_config(), launch)
             return 0
         return serve(args, server_args(parser, ns))
     if ns.command == "plan":

@@ -18,9 +18,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from engine.context_overflow import CONTEXT_POLICIES, ContextOverflow
-from engine.errors import RequestError
-from engine.sampling_params import INT64, Constraint, SamplingParams
+from engine.core.context_overflow import CONTEXT_POLICIES, ContextOverflow
+from engine.core.errors import RequestError
+from engine.core.sampling_params import INT64, Constraint, SamplingParams
 
 # OpenAI fields we deliberately leave out. A request may still carry one when its value means
 # "off" (clients often send the default explicitly); anything else is refused by name, so a

@@ -21,8 +21,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import RequestError
-from engine.sampling_params import Constraint
+from engine.core.errors import RequestError
+from engine.core.sampling_params import Constraint
 from server.protocol import (
     ChatCompletionRequest,
     ChatMessage,

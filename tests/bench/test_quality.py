@@ -12,7 +12,7 @@ import torch
 from bench import quality, tune
 from engine import LLM, SamplingParams
 from engine.args import EngineArgs
-from engine.context_overflow import ContextOverflow
+from engine.core.context_overflow import ContextOverflow
 from tests.helpers import random_prompt, save_tiny_deepseek_v3, save_tiny_gemma3, save_tiny_llama
 
 pytest.importorskip("transformers")

@@ -15,11 +15,11 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.args import EngineArgs, add_cli_args, from_cli_args
+from engine.core.errors import QueueFullError, RequestError
+from engine.core.sampling_params import INT64, REPETITION_PENALTY
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import QueueFullError, RequestError
 from engine.llm_engine import LLMEngine
-from engine.sampler import Sampler
-from engine.sampling_params import INT64, REPETITION_PENALTY
+from engine.worker.sampler import Sampler
 from tests.helpers import TINY_LLAMA, random_prompt
 
 pytest.importorskip("transformers")

@@ -8,8 +8,8 @@ import pytest
 from prometheus_client import generate_latest
 
 from engine import LLM, SamplingParams
-from engine.context_overflow import ContextOverflow
-from engine.errors import QueueFullError, RequestError
+from engine.core.context_overflow import ContextOverflow
+from engine.core.errors import QueueFullError, RequestError
 from engine.llm_engine import LLMEngine
 from tests.helpers import random_prompt, save_tiny_llama
 

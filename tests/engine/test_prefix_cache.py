@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM
-from engine.block_pool import BlockPool
+from engine.core.block_pool import BlockPool
 from tests.helpers import random_prompt, run_waves, save_tiny_deepseek_v3
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -89,9 +89,9 @@ def test_greedy_tokens_are_the_same_with_caching_on_and_off(request, model):
 
 
 def test_a_key_collision_is_refused(tiny_llama_dir, monkeypatch):
-    import engine.kv_manager
+    import engine.core.kv_manager
 
-    monkeypatch.setattr(engine.kv_manager, "block_hash", lambda parent, tokens: b"same")
+    monkeypatch.setattr(engine.core.kv_manager, "block_hash", lambda parent, tokens: b"same")
     prompts = [[(random_prompt(30, 120, seed=s), 4)] for s in (1, 2, 1)]
     tokens, cached = run_waves(make(tiny_llama_dir), prompts)
     off_tokens, _ = run_waves(make(tiny_llama_dir, enable_prefix_caching=False), prompts)
@@ -104,7 +104,7 @@ def test_a_key_collision_is_refused(tiny_llama_dir, monkeypatch):
 def test_a_shift_copies_shared_blocks_and_leaves_the_other_sequence_alone(
     tiny_llama_dir, monkeypatch
 ):
-    from engine.kv_manager import KVCacheManager
+    from engine.core.kv_manager import KVCacheManager
 
     copies = []
     drop = KVCacheManager.drop

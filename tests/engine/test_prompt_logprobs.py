@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.context_overflow import ContextOverflow
-from engine.errors import RequestError
+from engine.core.context_overflow import ContextOverflow
+from engine.core.errors import RequestError
 from tests.helpers import random_prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import CacheConfig
-from engine.kv_manager import KVCacheManager
-from engine.model_runner import rotate_shifted_keys
-from engine.scheduler import CacheShift
+from engine.core.config import CacheConfig
+from engine.core.kv_manager import KVCacheManager
+from engine.core.scheduler import CacheShift
+from engine.worker.model_runner import rotate_shifted_keys
 from kernels import reference, rotary
 from kernels.backend import CpuBackend, TorchBackend
 from kernels.rotary import RopeLayout, rotate_reference

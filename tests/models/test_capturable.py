@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from engine.cuda_graphs import BATCH_SIZES
+from engine.worker.cuda_graphs import BATCH_SIZES
 from kernels.backend import AttentionBackend
 from kernels.paged import AttentionMetadata, ForwardContext
 from models import deepseek_v3

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine.capacity import make_plan
-from engine.config import GIB
+from engine.core.config import GIB
 from models.kv_spec import FullAttentionSpec, KVCacheGroup, MLASpec, SlidingWindowSpec
 from server.cli import main as kvserve
 from tests.helpers import tiny_deepseek_v3_config

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from engine.errors import QueueFullError
+from engine.core.errors import QueueFullError
 from tests.server.test_server import MAX_MODEL_LEN, real_server
 
 MSG = [{"role": "user", "content": "Hi"}]

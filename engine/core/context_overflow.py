@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
-from engine.errors import RequestError
+from engine.core.errors import RequestError
 
 CONTEXT_POLICIES = ("error", "truncate", "stop", "shift", "sink")
 DEFAULT_POLICY = "error"  # as OpenAI: a request that cannot fit is refused

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import LLM
-from engine.cuda_graphs import batch_sizes
+from engine.worker.cuda_graphs import batch_sizes
 from tests.helpers import (
     TINY_DEEPSEEK_V3,
     TINY_GEMMA3,

@@ -8,9 +8,9 @@ from collections import deque
 
 import pytest
 
-from engine.request import Request
-from engine.request_queue import RequestQueue
-from engine.sampling_params import SamplingParams
+from engine.core.request import Request
+from engine.core.request_queue import RequestQueue
+from engine.core.sampling_params import SamplingParams
 
 
 def request(rid: str, prompt_len: int, priority: int = 0, arrival: float = 0.0) -> Request:

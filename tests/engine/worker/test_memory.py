@@ -10,9 +10,9 @@ import torch
 
 from engine import LLM
 from engine.args import EngineArgs
-from engine.config import GIB
-from engine.memory import MemoryProfile, dummy_lengths
-from engine.model_runner import build_runner
+from engine.core.config import GIB
+from engine.worker.memory import MemoryProfile, dummy_lengths
+from engine.worker.model_runner import ModelRunner
 from models.tensor_parallel import NO_TP
 from tests.helpers import save_tiny_deepseek_v3, save_tiny_gemma3, save_tiny_llama
 
@@ -50,7 +50,7 @@ def test_gpu_memory_utilization_is_a_share():
 @pytest.mark.parametrize("save", [save_tiny_llama, save_tiny_gemma3, save_tiny_deepseek_v3])
 def test_profile_run_steps_every_layout_at_the_largest_size(tmp_path, monkeypatch, save):
     save(tmp_path)
-    runner = build_runner(EngineArgs(model=str(tmp_path), device="cpu"), NO_TP)
+    runner = ModelRunner(EngineArgs(model=str(tmp_path), device="cpu").runner_config(), NO_TP)
     steps = []
     execute = runner.execute
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from engine.context_overflow import ContextOverflow
-from engine.errors import RequestError
+from engine.core.context_overflow import ContextOverflow
+from engine.core.errors import RequestError
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing logits by it would
 # overflow them.

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.request import Request
+    from engine.core.request import Request
 
 # (priority, arrival_time, serial, request); serials are unique, so requests are never compared.
 _Entry = tuple[int, float, int, "Request"]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.request import Request
+    from engine.core.request import Request
 
 PREEMPTION_MODES = ("recompute", "swap")
 

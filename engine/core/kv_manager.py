@@ -41,8 +41,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from engine.block_pool import BlockPool, block_hash
-from engine.config import CacheConfig
+from engine.core.block_pool import BlockPool, block_hash
+from engine.core.config import CacheConfig
 from models.kv_spec import KVCacheGroup
 
 BlockTables = list[list[int]]  # one table per group

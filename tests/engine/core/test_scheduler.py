@@ -2,12 +2,12 @@
 
 import random
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.context_overflow import StopPolicy
-from engine.kv_manager import KVCacheManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.config import CacheConfig, SchedulerConfig
+from engine.core.context_overflow import StopPolicy
+from engine.core.kv_manager import KVCacheManager
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
 from models.kv_spec import FullAttentionSpec, KVCacheGroup
 
 GROUP = KVCacheGroup(FullAttentionSpec(1, 4), (0,))

@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.args import EngineArgs
-from engine.config import CacheConfig
-from engine.errors import EngineDeadError
-from engine.model_runner import build_runner, resolve_device
-from engine.scheduler import SchedulerOutput
+from engine.core.config import CacheConfig
+from engine.core.errors import EngineDeadError
+from engine.core.scheduler import SchedulerOutput
+from engine.worker.config import RunnerConfig
+from engine.worker.model_runner import ModelRunner
 from models.tensor_parallel import TPRank
 
 log = logging.getLogger("kvserve.engine")
@@ -68,9 +68,9 @@ def launched(size: int) -> Launch | None:
     return Launch(TPRank(int(env["RANK"]), world), local, here, "env://")
 
 
-def rank_device(args: EngineArgs, local_rank: int) -> torch.device:
+def rank_device(config: RunnerConfig, local_rank: int) -> torch.device:
     """A rank's device: on CUDA the machine's GPU ``local_rank`` unless one is named."""
-    device = resolve_device(args.device)
+    device = config.torch_device
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", local_rank)
     return device
@@ -105,8 +105,8 @@ class Workers:
     """Starts ranks 1..size-1, unless a launcher has, and joins rank 0 (this process) to their
     group."""
 
-    def __init__(self, args: EngineArgs, device: torch.device):
-        size = args.tensor_parallel_size
+    def __init__(self, config: RunnerConfig):
+        size = config.tensor_parallel_size
         launch = launched(size)
         self.procs = []
         if launch is None:
@@ -116,12 +116,12 @@ class Workers:
             launch = Launch(TPRank(0, size), 0, size, f"tcp://127.0.0.1:{port}")
             ctx = mp.get_context("spawn")
             self.procs = [
-                ctx.Process(target=run_rank, args=(args, _rank(launch, r)), daemon=True)
+                ctx.Process(target=run_rank, args=(config, _rank(launch, r)), daemon=True)
                 for r in range(1, size)
             ]
             for p in self.procs:
                 p.start()
-        self.group = _init(launch, device)
+        self.group = _init(launch, config.torch_device)
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.group)
 
     def start(self, cache_config: CacheConfig) -> None:
@@ -164,12 +164,12 @@ def _stop(procs: list, group: dist.ProcessGroup) -> None:
         dist.destroy_process_group()
 
 
-def run_rank(args: EngineArgs, launch: Launch) -> None:
+def run_rank(config: RunnerConfig, launch: Launch) -> None:
     """A rank other than 0: runs the steps rank 0 sends until it sends None."""
-    device = rank_device(args, launch.local_rank)
+    device = rank_device(config, launch.local_rank)
     group = _init(launch, device)
     log.info("tensor-parallel rank %d of %d on %s", launch.tp.rank, launch.tp.size, device)
-    runner = build_runner(dataclasses.replace(args, device=str(device)), launch.tp)
+    runner = ModelRunner(dataclasses.replace(config, device=str(device)), launch.tp)
     runner.allocate_kv_cache(_broadcast(group))
     while (out := _broadcast(group)) is not None:
         runner.execute(out, sample=False)

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.errors import EngineDeadError
+from engine.core.errors import EngineDeadError
 from models.tokenizer import Tokenizer
 from server.cli import main as kvserve
 from tests.helpers import (
@@ -23,7 +23,7 @@ from tests.helpers import (
     wait_until_healthy,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.slow
 

@@ -7,10 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.context_overflow import ContextPolicy
+    from engine.core.context_overflow import ContextPolicy
 
 
 class RequestStatus(enum.Enum):

@@ -2,9 +2,9 @@
 
 import pytest
 
-from engine.block_pool import BlockPool
-from engine.config import CacheConfig
-from engine.kv_manager import KVCacheManager
+from engine.core.block_pool import BlockPool
+from engine.core.config import CacheConfig
+from engine.core.kv_manager import KVCacheManager
 from models.kv_spec import FullAttentionSpec, KVCacheGroup, MLASpec, SlidingWindowSpec
 
 

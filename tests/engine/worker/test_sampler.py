@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine import sampler as sampler_module
-from engine.sampler import Sampler, _top_p, logprobs_of
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
+from engine.worker import sampler as sampler_module
+from engine.worker.sampler import Sampler, _top_p, logprobs_of
 
 CPU = torch.device("cpu")
 EOS = (5,)

@@ -21,9 +21,9 @@ from itertools import chain
 
 import torch
 
-from engine.outputs import TokenLogprob
-from engine.sampling_params import SamplingParams
-from engine.structured import Grammars, apply_bitmask
+from engine.core.outputs import TokenLogprob
+from engine.core.sampling_params import SamplingParams
+from engine.worker.structured import Grammars, apply_bitmask
 
 # On a CPU, the rows drawn together at most: about this many bytes of logits.
 CPU_CHUNK_BYTES = 2 << 20

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.step_inputs import StepArrays
+from engine.worker.step_inputs import StepArrays
 from kernels.backend import AttentionBackend
 from kernels.paged import AttentionMetadata, ForwardContext
 from models.interface import CausalLM

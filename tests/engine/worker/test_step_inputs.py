@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest
-from engine.step_inputs import step_arrays, to_device
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import ScheduledRequest
+from engine.worker.step_inputs import step_arrays, to_device
 from models.kv_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 
 BS = 4

@@ -4,22 +4,20 @@ from __future__ import annotations
 
 import torch
 
-from engine.args import EngineArgs
-from engine.config import CacheConfig
-from engine.cuda_graphs import DecodeGraphs
-from engine.memory import dummy_lengths
-from engine.outputs import TokenLogprob
-from engine.sampler import Sampler, logprobs_of
-from engine.sampling_params import SamplingParams
-from engine.scheduler import CacheShift, ScheduledRequest, SchedulerOutput
-from engine.step_inputs import step_arrays, to_device
-from engine.structured import Grammars
+from engine.core.config import CacheConfig
+from engine.core.outputs import TokenLogprob
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import CacheShift, ScheduledRequest, SchedulerOutput
+from engine.worker.config import RunnerConfig
+from engine.worker.cuda_graphs import DecodeGraphs
+from engine.worker.memory import dummy_lengths
+from engine.worker.sampler import Sampler, logprobs_of
+from engine.worker.step_inputs import step_arrays, to_device
+from engine.worker.structured import Grammars
 from kernels import cpu
 from kernels.backend import AttentionBackend, get_backend
 from kernels.paged import AttentionMetadata, ForwardContext
 from kernels.rotary import RopeLayout
-from models.config import ModelConfig
-from models.fetch import resolve_model
 from models.interface import CausalLM
 from models.kv_spec import KVCacheGroup, MLASpec
 from models.layers import use_cpu_kernels
@@ -34,37 +32,26 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model_config: ModelConfig,
-        dtype: str,
-        device: torch.device,
-        backend: AttentionBackend,
-        seed: int,
-        eos_token_ids: tuple[int, ...],
-        cpu_kernels: bool = True,
-        grammars: Grammars | None = None,
-        tp: TPRank = NO_TP,
-    ):
+    def __init__(self, config: RunnerConfig, tp: TPRank = NO_TP, grammars: Grammars | None = None):
         """``tp``: this rank's share of a tensor-parallel model (its heads, its KV cache)."""
-        self.device = device
-        self.dtype = TORCH_DTYPES[dtype]
-        self.backend = backend
+        self.config = config
+        self.device = config.torch_device
+        self.dtype = TORCH_DTYPES[config.dtype]
+        self.backend: AttentionBackend = get_backend(config.attention_backend, self.device)
         self.tp = tp
-        model_config = shard_config(model_config, tp)
-        self.model: CausalLM = load_model(model_config, self.dtype, device, tp)
+        model_config = shard_config(config.model_config, tp)
+        self.model: CausalLM = load_model(model_config, self.dtype, self.device, tp)
         # Whether the model runs on kernels.cpu, or why not: for the start-up log. The fused
         # C++ layer would skip the all-reduces of a tensor-parallel model.
-        if tp.size > 1:
-            cpu_kernels = False
+        cpu_kernels = config.cpu_kernels and tp.size == 1
         self.cpu_kernels = self._use_cpu_kernels() if cpu_kernels else "off"
-        self.groups: list[KVCacheGroup] = self.model.kv_cache_groups(model_config, dtype)
+        self.groups: list[KVCacheGroup] = self.model.kv_cache_groups(model_config, config.dtype)
         layer_to_group = [0] * model_config.num_layers
         for gi, g in enumerate(self.groups):
             for layer in g.layer_ids:
                 layer_to_group[layer] = gi
         self.layer_to_group = tuple(layer_to_group)
-        self.sampler = Sampler(seed, eos_token_ids, device, grammars)
+        self.sampler = Sampler(config.seed, config.eos_token_ids, self.device, grammars)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the swap pool
         self.cache_config: CacheConfig | None = None
@@ -308,26 +295,3 @@ def copy_blocks(
         shared = src[1].data_ptr() == src[0].data_ptr()  # MLA: V is the latent part of K
         for s, d in [(src[0], dst[0])] if shared else zip(src, dst):
             backend.copy_blocks(s, d, src_idx, dst_idx)
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def build_runner(
-    args: EngineArgs,
-    tp: TPRank,
-    eos_token_ids: tuple[int, ...] = (),
-    grammars: Grammars | None = None,
-) -> ModelRunner:
-    """The model runner of one rank (the only one without tensor parallelism)."""
-    model_config = ModelConfig.from_dir(resolve_model(args.model))
-    device = resolve_device(args.device)
-    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    backend = get_backend(args.attention_backend, device, args.cpu_kernels)
-    return ModelRunner(
-        model_config, dtype, device, backend, args.seed, eos_token_ids, args.cpu_kernels,
-        grammars, tp,
-    )  # fmt: skip

@@ -15,18 +15,18 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from engine.config import SchedulerConfig
-from engine.context_overflow import (
+from engine.core.config import SchedulerConfig
+from engine.core.context_overflow import (
     ContextPolicy,
     ContextState,
     Drop,
     Finish,
 )
-from engine.kv_manager import BlockPairs, BlockTables, KVCacheManager
-from engine.preemption import Preemption
-from engine.request import Request, RequestStatus
-from engine.request_queue import RequestQueue, queue_key
-from engine.sampling_params import SamplingParams
+from engine.core.kv_manager import BlockPairs, BlockTables, KVCacheManager
+from engine.core.preemption import Preemption
+from engine.core.request import Request, RequestStatus
+from engine.core.request_queue import RequestQueue, queue_key
+from engine.core.sampling_params import SamplingParams
 
 
 @dataclass

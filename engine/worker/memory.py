@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import GIB
+from engine.core.config import GIB
 
 
 @dataclass(frozen=True)

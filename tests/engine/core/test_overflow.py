@@ -13,8 +13,8 @@ import random
 
 import pytest
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.context_overflow import (
+from engine.core.config import CacheConfig, SchedulerConfig
+from engine.core.context_overflow import (
     ContextOverflow,
     ContextState,
     Drop,
@@ -28,12 +28,12 @@ from engine.context_overflow import (
     TruncatePolicy,
     context_policy,
 )
-from engine.errors import RequestError
-from engine.kv_manager import KVCacheManager
-from engine.preemption import Admission, Preemption
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.errors import RequestError
+from engine.core.kv_manager import KVCacheManager
+from engine.core.preemption import Admission, Preemption
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
 from models.kv_spec import FullAttentionSpec, KVCacheGroup, MLASpec, SlidingWindowSpec
 
 BS = 4

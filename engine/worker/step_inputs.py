@@ -15,7 +15,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from engine.scheduler import ScheduledRequest
+from engine.core.scheduler import ScheduledRequest
 from models.kv_spec import KVCacheGroup
 
 

@@ -17,8 +17,8 @@ import llguidance.numpy
 import numpy as np
 import torch
 
-from engine.errors import RequestError
-from engine.sampling_params import Constraint
+from engine.core.errors import RequestError
+from engine.core.sampling_params import Constraint
 
 # Our constraint kinds as llguidance's grammar formats.
 FORMATS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}

@@ -1,0 +1,34 @@
+"""What a model runner is built from: one small frozen ``RunnerConfig``, made once by the
+engine from its settings (``EngineArgs.runner_config``) with everything resolved (the model's
+config, dtype, device, attention backend), and sent as it is to tensor-parallel ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    model_config: ModelConfig  # parsed from the checkpoint folder (``model_config.path``)
+    dtype: str  # "float32", "bfloat16", "float16"
+    device: str  # resolved: "cpu", "cuda", "cuda:1"
+    attention_backend: str  # a name of ``kernels.backend.BACKENDS``
+    cpu_kernels: bool  # whether a float32 CPU model may run on ``kernels.cpu``
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` is CUDA where there is one, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
