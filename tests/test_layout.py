@@ -7,11 +7,19 @@ counts wherever it is written: at the top, inside a function, under ``if TYPE_CH
 absolute or relative. Files must not import each other in a cycle; no function or method (tests
 included) runs over 80 lines, Triton kernels (``@triton.jit``) excepted; and every package's
 ``__init__.py`` opens with a docstring that says what the package may import.
+
+Inside engine, two rooms: ``engine/core`` is pure Python (the standard library, itself and
+``models.kv_spec``: no torch, no numpy), and ``engine/worker`` does not reach back into the
+engine's hub (only ``engine.core``, ``engine.worker``, models and kernels). The C++ CPU kernels
+(``kernels/csrc``) are a library: x86 intrinsics are named only in its vector header, no file
+runs over 400 lines and no function over 80.
 """
 
 from __future__ import annotations
 
 import ast
+import re
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +31,14 @@ import pytest
 LAYERS: dict[str, int] = {"kernels": 0, "models": 1, "engine": 2, "server": 3, "bench": 4}
 CORE_PACKAGES = ("kernels", "models", "engine", "server")
 MAX_FUNCTION_LINES = 80
+# What engine/core may import besides the standard library.
+CORE_ROOM_IMPORTS = ("engine.core", "models.kv_spec")
+# What engine/worker may import of the engine.
+WORKER_ROOM_ENGINE_IMPORTS = ("engine.core", "engine.worker")
+CSRC = "kernels/csrc"
+VECTOR_HEADER = "vec.h"
+MAX_CPP_FILE_LINES = 400
+INTRINSIC = re.compile(r"\b_mm(?:256|512)?_\w+|\b__m(?:128|256|512)[a-z]*\b|<[a-z]*intrin\.h>")
 
 
 @dataclass(frozen=True)
@@ -230,6 +246,102 @@ def package_docstring_problems(root: Path) -> list[str]:
     return problems
 
 
+def within(module: str, prefixes: Iterable[str]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def room_violations(root: Path) -> list[str]:
+    """Imports out of engine/core other than the standard library, itself and models.kv_spec;
+    imports from engine/worker into the engine's hub."""
+    found: list[str] = []
+    for path in python_files(root, ["engine"]):
+        room = path.relative_to(root).parts[1] if len(path.relative_to(root).parts) > 2 else ""
+        for imp in imports_in(root, path):
+            top = imp.module.split(".")[0]
+            where = f"{relative(root, path)}:{imp.line} imports {imp.module}"
+            if room == "core" and not (
+                within(imp.module, CORE_ROOM_IMPORTS) or top in sys.stdlib_module_names
+            ):
+                allowed = ", ".join(CORE_ROOM_IMPORTS)
+                found.append(f"{where} (engine/core: standard library, {allowed})")
+            if room == "worker" and top == "engine":
+                if not within(imp.module, WORKER_ROOM_ENGINE_IMPORTS):
+                    found.append(f"{where} (engine/worker may not import the engine's hub)")
+    return found
+
+
+def cpp_files(root: Path) -> list[Path]:
+    folder = root / CSRC
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.rglob("*") if p.suffix in (".h", ".hpp", ".cpp", ".cc"))
+
+
+def cpp_code(text: str, directives: bool = False) -> str:
+    """C++ source with comments and string and char literals blanked out (and preprocessor
+    lines too, unless ``directives``), newlines kept so that line numbers stay."""
+    literals = r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\''
+    pattern = literals if directives else literals + r"|^[ \t]*#[^\n]*"
+    return re.sub(pattern, lambda m: re.sub(r"[^\n]", " ", m.group()), text, flags=re.S | re.M)
+
+
+CONTROL = re.compile(r"\b(?:if|for|while|switch|catch|do|else)\s*(?:\(.*\))?\s*$", re.S)
+
+
+def cpp_functions(text: str) -> list[tuple[int, int]]:
+    """(first line, lines) of each outermost function body: a brace after a ``)`` (and
+    qualifiers or an initializer list) that is not a control statement's, outside any other
+    function. The count starts at the signature's first line."""
+    code = cpp_code(text)
+    found: list[tuple[int, int]] = []
+    depth_in_function = 0  # brace depth inside the current outermost function, 0: outside
+    header_start = start = 0
+    for i, ch in enumerate(code):
+        if ch in ";}" and not depth_in_function:
+            header_start = i + 1
+        if ch == "{":
+            if depth_in_function:
+                depth_in_function += 1
+                continue
+            header = code[header_start:i].strip()
+            body_like = re.search(r"\)\s*(?:const|noexcept|override|final|->[^{]*|:[^{]*|\s)*$",
+                                  header)  # fmt: skip
+            if body_like and not CONTROL.search(header):
+                depth_in_function = 1
+                first = (
+                    header_start + len(code[header_start:i]) - len(code[header_start:i].lstrip())
+                )
+                start = code.count("\n", 0, first) + 1
+            header_start = i + 1
+        elif ch == "}" and depth_in_function:
+            depth_in_function -= 1
+            if not depth_in_function:
+                end = code.count("\n", 0, i) + 1
+                found.append((start, end - start + 1))
+                header_start = i + 1
+    return found
+
+
+def cpp_library_problems(root: Path) -> list[str]:
+    """Intrinsics outside the vector header, files over 400 lines, functions over 80."""
+    problems: list[str] = []
+    for path in cpp_files(root):
+        text = path.read_text(encoding="utf-8")
+        name = relative(root, path)
+        lines = text.count("\n") + (not text.endswith("\n"))
+        if lines > MAX_CPP_FILE_LINES:
+            problems.append(f"{name}: {lines} lines (at most {MAX_CPP_FILE_LINES})")
+        if path.name != VECTOR_HEADER:
+            code = cpp_code(text, directives=True)
+            for m in INTRINSIC.finditer(code):
+                line = code.count("\n", 0, m.start()) + 1
+                problems.append(f"{name}:{line} names {m.group()} (only {VECTOR_HEADER} may)")
+        for line, length in cpp_functions(text):
+            if length > MAX_FUNCTION_LINES:
+                problems.append(f"{name}:{line} a function of {length} lines")
+    return problems
+
+
 def missing_core_packages(root: Path) -> list[str]:
     """Core packages that are absent or hold no Python file (so the checks would be vacuous)."""
     return [package for package in CORE_PACKAGES if not python_files(root, [package])]
@@ -260,6 +372,19 @@ def test_every_package_opens_with_a_docstring_of_what_it_may_import(root: Path) 
     assert not missing, f"packages without __init__.py: {missing}"
     problems = package_docstring_problems(root)
     assert not problems, "package docstrings:\n" + "\n".join(problems)
+
+
+def test_engine_core_is_pure_python_and_the_worker_stays_out_of_the_hub(root: Path) -> None:
+    assert python_files(root, ["engine/core"]) and python_files(root, ["engine/worker"])
+    violations = room_violations(root)
+    assert not violations, "imports across the engine's rooms:\n" + "\n".join(violations)
+
+
+def test_cpu_kernels_are_a_library_of_small_files(root: Path) -> None:
+    files = cpp_files(root)
+    assert any(p.name == VECTOR_HEADER for p in files), f"no {VECTOR_HEADER} under {CSRC}"
+    problems = cpp_library_problems(root)
+    assert not problems, "C++ kernel library:\n" + "\n".join(problems)
 
 
 # --- The checker checked on small fake trees, so the tests above cannot pass vacuously. ---
@@ -362,4 +487,47 @@ def test_the_checker_sees_long_functions_bad_docstrings_and_imports_of_bench(
     assert package_docstring_problems(tmp_path) == [
         "kernels/__init__.py has no module docstring",
         "models/__init__.py docstring does not say what it may import",
+    ]
+
+
+CPP_TREE = {
+    "pyproject.toml": "",
+    "kernels/csrc/cpu/vec.h": "#include <immintrin.h>\ninline __m256 add(__m256 a) { return a; }\n",
+    "kernels/csrc/cpu/ops.cpp": (
+        '#include <immintrin.h>\n#include "vec.h"\n'
+        "// _mm256_add_ps in a comment is fine\n"
+        "struct S {\n  int f() const { return 1; }\n};\n"
+        "namespace k {\nvoid g(int n) {\n"
+        + "  if (n) {\n    n++;\n  }\n" * 27
+        + '  auto s = "_mm_add_ps {";\n  __m256 v = _mm256_setzero_ps();\n}\n}  // namespace k\n'
+    ),
+    "kernels/csrc/cpu/big.h": "int x;\n" * 401,
+    "engine/core/a.py": (
+        "import heapq\nimport torch\nfrom engine.core import b\nfrom engine import args\n"
+    ),
+    "engine/core/b.py": "from models.kv_spec import KVCacheGroup\nfrom models.config import C\n",
+    "engine/worker/w.py": "import torch\nfrom engine.core.b import x\nfrom engine.args import A\n",
+    "engine/x.py": "import torch\n",
+}
+
+
+def test_the_checker_sees_impure_core_imports_and_a_poor_cpp_library(tmp_path: Path) -> None:
+    write_tree(tmp_path, CPP_TREE)
+    assert room_violations(tmp_path) == [
+        "engine/core/a.py:2 imports torch (engine/core: standard library, engine.core, "
+        "models.kv_spec)",
+        "engine/core/a.py:4 imports engine (engine/core: standard library, engine.core, "
+        "models.kv_spec)",
+        "engine/core/b.py:2 imports models.config (engine/core: standard library, engine.core, "
+        "models.kv_spec)",
+        "engine/worker/w.py:3 imports engine.args (engine/worker may not import the engine's hub)",
+    ]
+    # ``void g(int n) {`` on line 8: 1 + 27 * 3 + 3 lines to its closing brace.
+    assert cpp_functions(CPP_TREE["kernels/csrc/cpu/ops.cpp"]) == [(5, 1), (8, 85)]
+    assert cpp_library_problems(tmp_path) == [
+        "kernels/csrc/cpu/big.h: 401 lines (at most 400)",
+        "kernels/csrc/cpu/ops.cpp:1 names <immintrin.h> (only vec.h may)",
+        "kernels/csrc/cpu/ops.cpp:91 names __m256 (only vec.h may)",
+        "kernels/csrc/cpu/ops.cpp:91 names _mm256_setzero_ps (only vec.h may)",
+        "kernels/csrc/cpu/ops.cpp:8 a function of 85 lines",
     ]
