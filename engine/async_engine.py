@@ -20,7 +20,7 @@ from engine.args import EngineArgs
 from engine.core.errors import EngineDeadError
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import Admitted, LLMEngine
 
 log = logging.getLogger("kvserve.engine")
 
@@ -30,11 +30,12 @@ IDLE_BEAT_S = 1.0
 
 @dataclass(frozen=True)
 class EngineRequest:
-    """One sequence to generate: what ``submit`` takes, several at a time."""
+    """One sequence to generate: what ``submit`` takes, several at a time. Its admission was
+    decided on the caller's thread (``AsyncEngine.admit``); the engine thread carries the
+    decision out as it is."""
 
     request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    admitted: Admitted
     priority: int = 0
 
 
@@ -63,8 +64,10 @@ class AsyncEngine:
         self.model_name = self.engine.model_config.name
         self.last_beat = time.monotonic()  # the engine thread's last sign of progress
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.engine.validate(prompt_token_ids, params)
+    def admit(self, prompt_token_ids: list[int], params: SamplingParams) -> Admitted:
+        """Decides whether the engine takes the request, on the caller's thread: raises
+        RequestError if not (``LLMEngine.admit``)."""
+        return self.engine.admit(prompt_token_ids, params)
 
     def check_admission(self, num_requests: int, num_tokens: int = 0) -> None:
         """Raises QueueFullError when the queue would refuse this many requests now."""
@@ -91,7 +94,8 @@ class AsyncEngine:
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Output deltas of one request; leaving the loop early aborts it."""
-        (stream,) = self.submit([EngineRequest(request_id, prompt_token_ids, params, priority)])
+        admitted = self.admit(prompt_token_ids, params)
+        (stream,) = self.submit([EngineRequest(request_id, admitted, priority)])
         async for out in stream:
             yield out
 
@@ -167,9 +171,7 @@ class AsyncEngine:
         if kind == "add":
             requests: list[EngineRequest] = command[1]
             try:
-                self.engine.add_requests(
-                    [(r.request_id, r.prompt_token_ids, r.params, r.priority) for r in requests]
-                )
+                self.engine.add_requests([(r.request_id, r.admitted, r.priority) for r in requests])
             except Exception as e:  # reported to its callers, never fatal to the loop
                 for r in requests:
                     self._deliver(r.request_id, e)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -11,7 +12,6 @@ from engine.args import EngineArgs
 from engine.capacity import format_capacity
 from engine.core.config import GIB, CacheConfig, SchedulerConfig, split_memory
 from engine.core.context_overflow import (
-    ContextDecision,
     ContextPolicy,
     ContextState,
     Drop,
@@ -39,6 +39,23 @@ from models.tensor_parallel import check as check_tensor_parallel
 from models.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.engine")
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request the engine takes (``LLMEngine.admit``): its prompt, its params, the context
+    policy that will decide for it, and the prompt tokens that policy drops (None: none).
+    Made once on the caller's thread; ``add_requests`` carries it out on the engine's."""
+
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    policy: ContextPolicy
+    drop: Drop | None = None
+
+    def for_choice(self, params: SamplingParams) -> Admitted:
+        """The same decision for another choice of the request, whose params differ from
+        these in the seed alone (nothing admission reads)."""
+        return replace(self, params=params)
 
 
 class LLMEngine:
@@ -159,15 +176,41 @@ class LLMEngine:
     def context_policy(self, params: SamplingParams) -> ContextPolicy:
         return context_policy(params.overflow or self.default_overflow)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self._admit(prompt_token_ids, params)
+    def admit(self, prompt_token_ids: list[int], params: SamplingParams) -> Admitted:
+        """Decides once, before any work, whether the engine takes the request: raises
+        RequestError (400) if not, else returns the decision ``add_requests`` queues as it is.
+        Reads nothing the engine thread changes (the model, the settings, the pools' sizes), so
+        the HTTP thread may call it while the engine thread steps."""
+        self._check_request(prompt_token_ids, params)
+        policy = self.context_policy(params)
+        decision = policy.admit(self._prompt_state(len(prompt_token_ids), params))
+        if isinstance(decision, Reject):
+            self.metrics.refused(decision.code, policy.name)
+            param = "overflow" if decision.code == "invalid_overflow" else "messages"
+            raise RequestError(decision.message, param=param, code=decision.code)
+        drop = decision if isinstance(decision, Drop) else None
+        if drop is not None and params.prompt_logprobs is not None:
+            message = (
+                f"prompt_logprobs needs the whole prompt, but the {policy.name} context policy "
+                f"would drop {drop.count} of its tokens."
+            )
+            raise RequestError(message, param="prompt_logprobs")
+        kept = len(prompt_token_ids) - (drop.count if drop else 0)
+        limit = self.max_model_len
+        wanted = kept + (params.max_tokens or limit)
+        if not self.kv.can_ever_fit(min(limit, wanted)):
+            self.metrics.refused("kv_capacity")
+            raise RequestError(
+                f"The KV cache cannot hold {min(limit, wanted)} tokens of one request; "
+                "reduce the request or raise --num-kv-blocks / --kv-cache-memory.",
+                param="max_tokens",
+            )
+        return Admitted(tuple(prompt_token_ids), params, policy, drop)
 
-    def _admit(
-        self, prompt_token_ids: list[int], params: SamplingParams
-    ) -> tuple[ContextPolicy, Drop | None]:
-        """The request's context policy, and the prompt tokens it drops; raises if refused."""
-        n = len(prompt_token_ids)
-        if n == 0:
+    def _check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises unless every token id the request names is in the vocabulary, and its
+        grammar (if any) compiles."""
+        if not prompt_token_ids:
             raise RequestError("The prompt is empty.", param="prompt")
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
@@ -184,49 +227,17 @@ class LLMEngine:
                 message = "Structured output needs the model's tokenizer, and it has none."
                 raise RequestError(message, param=params.structured.param)
             self.grammars.grammar(params.structured)  # raises for an invalid one
-        policy = self.context_policy(params)
-        decision = self._context_decision(policy, n, params)
-        if isinstance(decision, Reject):
-            self.metrics.context_overflows.labels(policy.name).inc()
-            self.metrics.rejected.labels(decision.code).inc()
-            param = "overflow" if decision.code == "invalid_overflow" else "messages"
-            raise RequestError(decision.message, param=param, code=decision.code)
-        drop = decision if isinstance(decision, Drop) else None
-        if drop is not None and params.prompt_logprobs is not None:
-            message = (
-                f"prompt_logprobs needs the whole prompt, but the {policy.name} context policy "
-                f"would drop {drop.count} of its tokens."
-            )
-            raise RequestError(message, param="prompt_logprobs")
-        kept = n - (drop.count if drop else 0)
-        limit = self.max_model_len
-        wanted = kept + (params.max_tokens or limit)
-        if not self.kv.can_ever_fit(min(limit, wanted)):
-            self.metrics.rejected.labels("kv_capacity").inc()
-            raise RequestError(
-                f"The KV cache cannot hold {min(limit, wanted)} tokens of one request; "
-                "reduce the request or raise --num-kv-blocks / --kv-cache-memory.",
-                param="max_tokens",
-            )
-        return policy, drop
 
-    def _context_decision(
-        self, policy: ContextPolicy, prompt_len: int, params: SamplingParams
-    ) -> ContextDecision:
-        limit, bs = self.max_model_len, self.cache_config.block_size
-        # The blocks a sequence holds when it first fills the context: where a shift starts.
-        full = [[0] * g.spec.num_blocks(limit - 1, bs) for g in self.kv.groups]
-        state = ContextState(
-            admission=True,
-            num_tokens=prompt_len,
+    def _prompt_state(self, prompt_len: int, params: SamplingParams) -> ContextState:
+        """A prompt against the context limit, for its policy's ``admit``."""
+        return ContextState(
             prompt_len=prompt_len,
             max_tokens=params.max_tokens,
-            limit=limit,
-            block_size=bs,
-            discardable=lambda keep: self.kv.max_discard(full, limit - 1, keep),
+            limit=self.max_model_len,
+            block_size=self.cache_config.block_size,
+            discard_end=self.kv.discard_end_when_full(self.max_model_len),
             can_rotate=self.runner.key_rope is not None,
         )
-        return policy.decide(state)
 
     def check_admission(self, num_requests: int, num_tokens: int = 0) -> None:
         """Raises unless the queue takes ``num_requests`` more requests (of ``num_tokens``
@@ -241,24 +252,21 @@ class LLMEngine:
             waiting, self.scheduler.num_waiting_tokens, num_requests, num_tokens
         )
         if refused is not None:
-            self.metrics.rejected.labels(refused).inc()
+            self.metrics.refused(refused)
             raise QueueFullError(
                 f"The server is at capacity ({waiting} requests waiting); retry later.",
                 retry_after=min(60.0, max(1.0, self._queue_wait)),
             )
 
-    def add_requests(self, requests: list[tuple[str, list[int], SamplingParams, int]]) -> None:
-        """Queues (request_id, prompt_token_ids, params, priority) as one group: all of them,
-        or none (raising why)."""
-        decided = [self._admit(prompt, params) for _, prompt, params, _ in requests]
-        self.check_admission(len(requests), sum(len(r[1]) for r in requests))
-        for (rid, prompt, params, priority), (policy, drop) in zip(requests, decided):
-            req = Request(rid, list(prompt), params, priority=priority)
-            req.context_policy = policy
-            if drop is not None:
-                req.drop_tokens(drop.start, drop.count)
-                self.metrics.context_overflows.labels(policy.name).inc()
-            self.scheduler.add_request(req)
+    def add_requests(self, requests: list[tuple[str, Admitted, int]]) -> None:
+        """Queues (request_id, admitted, priority) as one group: all of them, or none (raising
+        why: the queue is full). The admission decisions are carried out, not made again."""
+        self.check_admission(len(requests), sum(len(a.prompt_token_ids) for _, a, _ in requests))
+        for rid, admitted, priority in requests:
+            params = admitted.params
+            prompt = list(admitted.prompt_token_ids)
+            req = Request(rid, prompt, params, priority=priority, context_policy=admitted.policy)
+            self.scheduler.add_request(req, admitted.drop)
             self._detokenizers[rid] = IncrementalDetokenizer(self.tokenizer, params)
             if params.prompt_logprobs is not None:
                 self._prompt_logprobs[rid] = [None]
@@ -271,7 +279,8 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
     ) -> None:
-        self.add_requests([(request_id, prompt_token_ids, params, priority)])
+        """Admits and queues one request (raising why not)."""
+        self.add_requests([(request_id, self.admit(prompt_token_ids, params), priority)])
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.abort(request_id)

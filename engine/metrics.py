@@ -145,6 +145,14 @@ class EngineMetrics:
         for gi, u in enumerate(usage):
             self.kv_usage.labels(str(gi)).set(u)
 
+    def refused(self, reason: str, policy: str | None = None) -> None:
+        """A request refused before any work (on the thread that refused it), by ``policy``
+        when its context policy did: such a request never reaches the scheduler, which counts
+        every other context overflow (``events``)."""
+        self.rejected.labels(reason).inc()
+        if policy is not None:
+            self.context_overflows.labels(policy).inc()
+
     def events(self, events: SchedulerEvents) -> None:
         """What the scheduler counted since the last step."""
         for mode, n in events.preemptions.items():

@@ -379,10 +379,10 @@ class OpenAIServer:
         """n = len(params) choices per prompt, admitted as one group."""
         requests = []
         for ids in prompts:
-            self.engine.validate(ids, params[0])  # the choices differ only in their seeds
+            admitted = self.engine.admit(ids, params[0])  # the choices differ only in their seeds
             for choice_params in params:
                 rid_k = f"{rid}-{len(requests)}"
-                requests.append(EngineRequest(rid_k, ids, choice_params, priority))
+                requests.append(EngineRequest(rid_k, admitted.for_choice(choice_params), priority))
         gen = Generation(self.engine, requests, self.active)
         await gen.start()
         return gen

@@ -2,10 +2,13 @@
 
 Everything about it lives here: the choices (``CONTEXT_POLICIES``, ``DEFAULT_POLICY``), a
 request's or the server's choice (``ContextOverflow``, the one validator), and the policies,
-small objects with one decision method. The engine asks at admission, the scheduler when a
-running sequence fills the context; they carry the decision out and count it. Pure Python.
+small objects with two decision methods: ``admit`` before any work (refuse, drop prompt
+tokens, or take the request as it is) and ``on_full`` when a running sequence fills the
+context (finish it, or drop tokens and go on). They read plain numbers (``ContextState``) and
+change nothing; the engine asks at admission, the scheduler when the context is full, and the
+scheduler carries out and counts what they decide. Pure Python.
 
-Context overflow (``ContextPolicy.decide``)::
+Context overflow::
 
     limit = 16, block_size = 4, n_keep = 4
     tokens:  [ 0  1  2  3 | 4  5  6  7 | 8  9 10 11 | 12 13 14 15 ]  the cache is full
@@ -22,7 +25,6 @@ n_discard up to block multiples; a prompt is not cached yet, so ``truncate`` is 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -93,43 +95,44 @@ class Drop:
     count: int
 
 
-ContextDecision = Fits | Reject | Finish | Drop
-
-
-def _no_discard(keep: int) -> int:
-    return 0
-
-
 @dataclass(frozen=True)
 class ContextState:
-    """A sequence at admission (the prompt) or at a full context (the prompt and its output)."""
+    """A sequence against the context limit, in plain numbers: its prompt at admission
+    (``admit``), or its prompt and output once they fill the context (``on_full``)."""
 
-    admission: bool
-    num_tokens: int  # tokens the sequence holds: the prompt at admission
     prompt_len: int
     max_tokens: int | None  # the request's output limit, None: up to the context limit
     limit: int  # max_model_len
     block_size: int
-    # Tokens after the first ``keep`` (a block multiple) the cache can drop now.
-    discardable: Callable[[int], int] = _no_discard
-    can_rotate: bool = True  # whether the model can re-rotate its cached keys (shift, sink)
-    dropped: int = 0  # tokens the sequence has discarded so far
-    max_dropped: int | None = None  # how many it may discard over its life (None: no bound)
+    # A shift drops only tokens before this position (after the kept ones, in whole blocks):
+    # the cache's whole blocks, less what a wrapped sliding window still reaches back to
+    # (``KVCacheManager.discard_end``). At admission: when the sequence first fills the context.
+    discard_end: int
+    can_rotate: bool = True  # admit: whether the model can re-rotate its cached keys
+    dropped: int = 0  # on_full: tokens the sequence has discarded so far
+    max_dropped: int | None = None  # on_full: how many it may discard in all (None: no bound)
 
 
 class ContextPolicy:
+    """By default: refuse a prompt that fills the context alone; finish at a full context."""
+
     name: ClassVar[str]
 
-    def decide(self, s: ContextState) -> ContextDecision:
-        raise NotImplementedError
+    def admit(self, s: ContextState) -> Fits | Reject | Drop:
+        """Before any work: take the request as it is, refuse it, or drop prompt tokens."""
+        return _prompt_too_long(s) or Fits()
+
+    def on_full(self, s: ContextState) -> Finish | Drop:
+        """A running sequence has filled the context: finish it, or drop tokens and go on."""
+        return Finish()
 
 
 def _prompt_too_long(s: ContextState) -> Reject | None:
-    if s.num_tokens < s.limit:
+    if s.prompt_len < s.limit:
         return None
     return Reject(
         f"This model's maximum context length is {s.limit} tokens. However, your prompt has "
-        f"{s.num_tokens} tokens. Please reduce the length of the messages."
+        f"{s.prompt_len} tokens. Please reduce the length of the messages."
     )
 
 
@@ -138,14 +141,12 @@ class ErrorPolicy(ContextPolicy):
 
     name = "error"
 
-    def decide(self, s: ContextState) -> ContextDecision:
-        if not s.admission:
-            return Finish()
-        wanted = s.num_tokens + (s.max_tokens or 0)
-        if s.num_tokens >= s.limit or wanted > s.limit:
+    def admit(self, s: ContextState) -> Fits | Reject:
+        wanted = s.prompt_len + (s.max_tokens or 0)
+        if s.prompt_len >= s.limit or wanted > s.limit:
             return Reject(
                 f"This model's maximum context length is {s.limit} tokens. However, you "
-                f"requested {wanted} tokens ({s.num_tokens} in the messages, "
+                f"requested {wanted} tokens ({s.prompt_len} in the messages, "
                 f"{s.max_tokens or 0} in the completion). Please reduce the length of the "
                 "messages or completion."
             )
@@ -157,11 +158,6 @@ class StopPolicy(ContextPolicy):
 
     name = "stop"
 
-    def decide(self, s: ContextState) -> ContextDecision:
-        if s.admission:
-            return _prompt_too_long(s) or Fits()
-        return Finish()
-
 
 @dataclass(frozen=True)
 class TruncatePolicy(ContextPolicy):
@@ -170,11 +166,9 @@ class TruncatePolicy(ContextPolicy):
     name: ClassVar[str] = "truncate"
     n_keep: int = DEFAULT_KEEP
 
-    def decide(self, s: ContextState) -> ContextDecision:
-        if not s.admission:
-            return Finish()
+    def admit(self, s: ContextState) -> Fits | Reject | Drop:
         room = s.limit - (s.max_tokens or 1)  # prompt tokens that leave room for the output
-        if s.num_tokens <= room:
+        if s.prompt_len <= room:
             return Fits()
         keep = s.prompt_len if self.n_keep == -1 else self.n_keep
         if room < max(keep, 1):
@@ -183,7 +177,7 @@ class TruncatePolicy(ContextPolicy):
                 f"the model's {s.limit}; truncation keeps the first {keep}. Reduce max_tokens "
                 "or overflow.n_keep."
             )
-        return Drop(keep, s.num_tokens - room)
+        return Drop(keep, s.prompt_len - room)
 
 
 @dataclass(frozen=True)
@@ -204,32 +198,33 @@ class ShiftPolicy(ContextPolicy):
         bs = s.block_size
         keep = round_up(s.prompt_len if self.n_keep == -1 else self.n_keep, bs)
         wanted = self.n_discard or self._default_discard(s.limit - keep, bs)
-        room = s.discardable(keep)
+        room = max(0, s.discard_end - keep)
         return keep, min(round_up(wanted, bs), room // bs * bs)
 
     def _default_discard(self, rest: int, block_size: int) -> int:
         return rest // 2
 
-    def decide(self, s: ContextState) -> ContextDecision:
-        if s.admission and not s.can_rotate:
+    def admit(self, s: ContextState) -> Fits | Reject:
+        if not s.can_rotate:
             return Reject(
                 f"this model cannot re-rotate its cached keys; overflow policy {self.name!r} "
                 "is not available.",
                 code="invalid_overflow",
             )
-        if s.admission:
-            too_long = _prompt_too_long(s)
-            if too_long or s.max_tokens is None:
-                return too_long or Fits()
-            keep, count = self.plan(s)
-            if count < s.block_size:
-                return Reject(
-                    f"overflow {self.name!r} keeps the first {keep} tokens (n_keep rounded up "
-                    f"to a block of {s.block_size}); that leaves nothing to discard in a "
-                    f"context of {s.limit}. Reduce overflow.n_keep.",
-                    code="invalid_overflow",
-                )
-            return Fits()
+        too_long = _prompt_too_long(s)
+        if too_long or s.max_tokens is None:
+            return too_long or Fits()
+        keep, count = self.plan(s)
+        if count < s.block_size:
+            return Reject(
+                f"overflow {self.name!r} keeps the first {keep} tokens (n_keep rounded up "
+                f"to a block of {s.block_size}); that leaves nothing to discard in a "
+                f"context of {s.limit}. Reduce overflow.n_keep.",
+                code="invalid_overflow",
+            )
+        return Fits()
+
+    def on_full(self, s: ContextState) -> Finish | Drop:
         if s.max_tokens is None:
             return Finish()
         keep, count = self.plan(s)

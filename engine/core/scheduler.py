@@ -5,7 +5,9 @@ waiting or swapped, best ``(priority, arrival)`` first, while the token budget, 
 and free blocks allow. When a running request needs a block and none is free, the
 ``Preemption`` policy picks a victim among all running requests and recomputes it later or
 swaps its blocks to the host pool. When a sequence fills ``max_model_len``, its context policy
-decides: finish, or drop tokens (a shift), whose cache rotation the next step carries.
+decides: finish, or drop tokens (a shift), whose cache rotation the next step carries. Every
+drop, a prompt's at admission too, is carried out here (``drop``), and every context-overflow
+decision on a queued or running request is counted here (``overflow``).
 Pure Python: the output is plain data for the model runner.
 """
 
@@ -16,12 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from engine.core.config import SchedulerConfig
-from engine.core.context_overflow import (
-    ContextPolicy,
-    ContextState,
-    Drop,
-    Finish,
-)
+from engine.core.context_overflow import ContextPolicy, ContextState, Drop, Finish
 from engine.core.kv_manager import BlockPairs, BlockTables, KVCacheManager
 from engine.core.preemption import Preemption
 from engine.core.request import Request, RequestStatus
@@ -130,11 +127,14 @@ class Scheduler:
 
     # -- requests in and out ------------------------------------------------------------------
 
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, drop: Drop | None = None) -> None:
+        """Queue ``req``; ``drop``: the prompt tokens its context policy drops at admission."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         req.block_tables = self.kv.new_tables()
         self.requests[req.request_id] = req
+        if drop is not None:
+            self.overflow(req, drop)  # before it is queued: the queue counts its tokens
         self.waiting.push(req)
 
     def abort(self, request_id: str) -> Request | None:
@@ -373,35 +373,40 @@ class Scheduler:
 
     def _context_full(self, req: Request) -> None:
         """The next token has no position left: the request's context policy decides."""
-        policy = req.context_policy or self.default_context_policy
         state = ContextState(
-            admission=False,
-            num_tokens=req.num_tokens,
             prompt_len=len(req.prompt_token_ids),
             max_tokens=req.params.max_tokens,
             limit=self.config.max_model_len,
             block_size=self.kv.block_size,
-            discardable=lambda keep: self.kv.max_discard(
-                req.block_tables, req.num_computed_tokens, keep
-            ),
+            discard_end=self.kv.discard_end(req.block_tables, req.num_computed_tokens),
             dropped=req.num_dropped_tokens,
             max_dropped=self.config.max_overflow_tokens,
         )
-        decision = policy.decide(state)
-        self.events.context_overflows[policy.name] += 1
+        self.overflow(req, self.context_policy(req).on_full(state))
+
+    def context_policy(self, req: Request) -> ContextPolicy:
+        return req.context_policy or self.default_context_policy
+
+    def overflow(self, req: Request, decision: Drop | Finish) -> None:
+        """Carry out what the request's context policy decided, and count it."""
+        self.events.context_overflows[self.context_policy(req).name] += 1
         if isinstance(decision, Drop):
             try:
-                blocks, copies = self.kv.drop(
-                    req.block_tables, req.num_computed_tokens, decision.start, decision.count
-                )
+                return self.drop(req, decision)
             except MemoryError:  # no room to copy the blocks it shares: it cannot shift
-                return self.finish(req, "length")
-            req.drop_tokens(decision.start, decision.count)
-            first = decision.start // self.kv.block_size
-            del req.block_keys[first:]
-            req.num_registered_blocks = min(req.num_registered_blocks, first)
-            self._shifts.append(CacheShift(req.request_id, -decision.count, blocks, copies))
-        elif isinstance(decision, Finish):
-            self.finish(req, "length")
-        else:
-            raise AssertionError(f"{policy.name} cannot decide {decision} for a full context")
+                pass
+        self.finish(req, "length")
+
+    def drop(self, req: Request, drop: Drop) -> None:
+        """Remove ``drop.count`` tokens at ``drop.start`` from the request, and from its cache
+        where they are cached (the runner then moves the keys after them: a ``CacheShift``).
+        Raises MemoryError, changing nothing, when the cache has no room for the copies."""
+        if drop.start < req.num_computed_tokens:
+            blocks, copies = self.kv.drop(
+                req.block_tables, req.num_computed_tokens, drop.start, drop.count
+            )
+            self._shifts.append(CacheShift(req.request_id, -drop.count, blocks, copies))
+        req.drop_tokens(drop.start, drop.count)
+        first = drop.start // self.kv.block_size
+        del req.block_keys[first:]  # the blocks from the first dropped one hold other tokens
+        req.num_registered_blocks = min(req.num_registered_blocks, first)

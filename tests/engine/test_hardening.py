@@ -18,7 +18,7 @@ from engine.args import EngineArgs, add_cli_args, from_cli_args
 from engine.core.errors import QueueFullError, RequestError
 from engine.core.sampling_params import INT64, REPETITION_PENALTY
 from engine.detokenizer import IncrementalDetokenizer
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import Admitted, LLMEngine
 from engine.worker.sampler import Sampler
 from tests.helpers import TINY_LLAMA, random_prompt
 
@@ -257,7 +257,9 @@ def test_a_failed_step_fails_its_requests_with_a_message_and_the_engine_goes_on(
     tiny_llama_dir, canary_alone, monkeypatch
 ):
     engine = make(tiny_llama_dir).engine
-    engine.add_requests([("a", CANARY, greedy(), 0), ("b", OTHER, greedy(), 0)])
+    engine.add_requests(
+        [("a", engine.admit(CANARY, greedy()), 0), ("b", engine.admit(OTHER, greedy()), 0)]
+    )
     engine.step()
     monkeypatch.setattr(engine.runner, "execute", lambda out: 1 / 0)
     outs = engine.step()
@@ -277,10 +279,10 @@ def test_a_failed_step_fails_its_requests_with_a_message_and_the_engine_goes_on(
 # ---- admission: a group is queued whole or not at all ----
 
 
-def group(name: str, sizes: list[int], **kw) -> list[tuple[str, list[int], SamplingParams, int]]:
-    return [
-        (f"{name}{i}", random_prompt(n, VOCAB, i), greedy(**kw), 0) for i, n in enumerate(sizes)
-    ]
+def group(engine: LLMEngine, name: str, sizes: list[int], **kw) -> list[tuple[str, Admitted, int]]:
+    """Requests of ``sizes`` prompt tokens, each admitted (as the HTTP thread does)."""
+    prompts = [random_prompt(n, VOCAB, i) for i, n in enumerate(sizes)]
+    return [(f"{name}{i}", engine.admit(p, greedy(**kw)), 0) for i, p in enumerate(prompts)]
 
 
 def queued(engine: LLMEngine) -> list[str]:
@@ -289,16 +291,17 @@ def queued(engine: LLMEngine) -> list[str]:
 
 def test_a_group_is_admitted_whole_or_not_at_all(tiny_llama_dir):
     engine = make(tiny_llama_dir, max_queue_len=4).engine
-    engine.add_requests(group("a", [5, 6, 7]))
+    engine.add_requests(group(engine, "a", [5, 6, 7]))
     assert queued(engine) == ["a0", "a1", "a2"]
     assert metric(engine, "kvserve:num_requests_waiting") == 3  # before any step
     with pytest.raises(QueueFullError) as e:
-        engine.add_requests(group("b", [5, 5]))
+        engine.add_requests(group(engine, "b", [5, 5]))
     assert e.value.status == 429 and e.value.retry_after >= 1
     assert metric(engine, "kvserve:requests_rejected_total", reason="queue_full") == 1
-    bad = group("c", [5]) + [("c1", CANARY, greedy(stop_token_ids=[10**9]), 0)]
-    with pytest.raises(RequestError):
-        engine.add_requests(bad)
+    with pytest.raises(RequestError):  # a member refused at admission: the group never queues
+        engine.add_requests(
+            group(engine, "c", [5]) + group(engine, "c1", [9], stop_token_ids=[10**9])
+        )
     assert queued(engine) == ["a0", "a1", "a2"]
     engine.check_admission(1)
     with pytest.raises(QueueFullError):
@@ -307,7 +310,7 @@ def test_a_group_is_admitted_whole_or_not_at_all(tiny_llama_dir):
     assert queued(engine) == ["a0", "a1", "a2"]
     engine.abort("a2")
     assert metric(engine, "kvserve:num_requests_waiting") == 2  # before any step
-    engine.add_requests(group("b", [5, 5]))  # the refused ids were never taken
+    engine.add_requests(group(engine, "b", [5, 5]))  # the refused ids were never taken
     while engine.has_unfinished:
         engine.step()
     assert_all_blocks_free(engine)
@@ -316,13 +319,13 @@ def test_a_group_is_admitted_whole_or_not_at_all(tiny_llama_dir):
 
 def test_queued_tokens_bound_a_group_by_its_total_prompt(tiny_llama_dir):
     engine = make(tiny_llama_dir, max_queued_tokens=30).engine
-    engine.add_requests(group("a", [20]))
+    engine.add_requests(group(engine, "a", [20]))
     with pytest.raises(QueueFullError):
-        engine.add_requests(group("b", [6, 6]))  # 12 more: 32 queued tokens
+        engine.add_requests(group(engine, "b", [6, 6]))  # 12 more: 32 queued tokens
     assert metric(engine, "kvserve:requests_rejected_total", reason="queued_tokens") == 1
     assert engine.scheduler.num_waiting_tokens == 20
     engine.check_admission(2, 10)
-    engine.add_requests(group("b", [5, 5]))
+    engine.add_requests(group(engine, "b", [5, 5]))
     assert engine.scheduler.num_waiting_tokens == 30
     engine.step()
     assert engine.scheduler.num_waiting_tokens == 0

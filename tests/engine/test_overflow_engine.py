@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from engine import LLM, SamplingParams
-from engine.core.context_overflow import ContextOverflow
+from engine.core.context_overflow import ContextOverflow, Drop, TruncatePolicy
 from engine.core.errors import QueueFullError, RequestError
 from engine.llm_engine import LLMEngine
 from tests.helpers import random_prompt, save_tiny_llama
@@ -73,6 +73,26 @@ def test_truncate_serves_the_first_n_keep_and_the_latest_prompt_tokens(tiny_llam
     assert out.outputs[0].token_ids == same.outputs[0].token_ids
     assert metric(llm.engine, "kvserve:context_overflows_total", policy="truncate") == 1
     assert metric(llm.engine, "kvserve:prompt_tokens_total") == LIMIT - 8
+
+
+def test_an_admitted_request_is_queued_as_decided_not_decided_again(tiny_llama, monkeypatch):
+    llm = make(tiny_llama, context_overflow="truncate", context_n_keep=5)
+    engine, prompt = llm.engine, prompt_of(100)
+    admitted = engine.admit(prompt, greedy(8))
+    assert admitted.policy == TruncatePolicy(5) and admitted.drop == Drop(5, 100 - (LIMIT - 8))
+
+    def decided_again(*args):
+        raise AssertionError("admission decided again on the engine thread")
+
+    monkeypatch.setattr(engine, "admit", decided_again)
+    monkeypatch.setattr(TruncatePolicy, "admit", decided_again)
+    engine.add_requests([("a", admitted, 0)])
+    req = engine.scheduler.requests["a"]
+    assert req.token_ids == prompt[:5] + prompt[100 - (LIMIT - 8 - 5) :]
+    assert req.context_policy is admitted.policy and req.prompt_token_ids == prompt
+    while engine.has_unfinished:
+        engine.step()
+    assert metric(engine, "kvserve:context_overflows_total", policy="truncate") == 1
 
 
 def test_shift_is_refused_for_a_model_that_cannot_rotate_its_cache(tiny_llama):

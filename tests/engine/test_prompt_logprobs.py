@@ -54,4 +54,4 @@ def test_a_policy_that_drops_prompt_tokens_is_refused(tiny_llama_dir):
         max_tokens=4, prompt_logprobs=0, overflow=ContextOverflow("truncate", 4)
     )
     with pytest.raises(RequestError, match="prompt_logprobs needs the whole prompt"):
-        llm.engine.validate(random_prompt(40, 120), params)
+        llm.engine.admit(random_prompt(40, 120), params)

@@ -11,7 +11,9 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from engine.core.context_overflow import StopPolicy
 from engine.core.errors import QueueFullError
+from engine.llm_engine import Admitted
 from tests.server.test_server import MAX_MODEL_LEN, real_server
 
 MSG = [{"role": "user", "content": "Hi"}]
@@ -164,14 +166,19 @@ class StubEngine:
 
     def __init__(self, fail_with: Exception):
         self.fail_with = fail_with
+        self.admitted: list[Admitted] = []  # what admit decided
+        self.submitted: list = []  # the engine requests submit was given
 
-    def validate(self, prompt_token_ids, params) -> None:
-        pass
+    def admit(self, prompt_token_ids, params) -> Admitted:
+        self.admitted.append(Admitted(tuple(prompt_token_ids), params, StopPolicy()))
+        return self.admitted[-1]
 
     def check_admission(self, num_requests, num_tokens=0) -> None:
         pass
 
     def submit(self, requests):
+        self.submitted += requests
+
         async def failing():
             raise self.fail_with
             yield  # pragma: no cover
@@ -182,17 +189,29 @@ class StubEngine:
         pass
 
 
-def stub_post(fail_with: Exception) -> httpx.Response:
+def stub_post(fail_with: Exception | StubEngine, body: dict | None = None) -> httpx.Response:
     from server.app import build_app
 
-    app = build_app(StubEngine(fail_with))
-    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    engine = fail_with if isinstance(fail_with, StubEngine) else StubEngine(fail_with)
+    transport = httpx.ASGITransport(app=build_app(engine), raise_app_exceptions=False)
 
     async def post() -> httpx.Response:
         async with httpx.AsyncClient(transport=transport, base_url="http://stub") as c:
-            return await c.post(CHAT, json={"messages": MSG})
+            return await c.post(CHAT, json=body or {"messages": MSG})
 
     return asyncio.run(post())
+
+
+def test_a_prompt_is_admitted_once_and_every_choice_carries_the_decision():
+    engine = StubEngine(RuntimeError("stop here"))
+    stub_post(engine, {"messages": MSG, "n": 3, "seed": 7})
+    (decided,) = engine.admitted
+    assert decided.prompt_token_ids == (1, 2, 3)
+    carried = [r.admitted for r in engine.submitted]
+    assert [a.params.seed for a in carried] == [7, 8, 9]  # each choice its own params
+    for a in carried:
+        assert a.policy is decided.policy and a.drop is decided.drop
+        assert a.prompt_token_ids == decided.prompt_token_ids
 
 
 def test_queue_full_is_429_with_retry_after():

@@ -47,16 +47,11 @@ def greedy(n: int | None) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
-def state(num_tokens, limit=64, max_tokens=16, admission=True, discardable=None, bs=BS):
-    return ContextState(
-        admission=admission,
-        num_tokens=num_tokens,
-        prompt_len=num_tokens if admission else 10,
-        max_tokens=max_tokens,
-        limit=limit,
-        block_size=bs,
-        discardable=discardable or (lambda keep: (limit - 1) // bs * bs - keep),
-    )
+def state(prompt_len, limit=64, max_tokens=16, discard_end=None, bs=BS, **kw):
+    """At admission, or (``on_full``) once a prompt of ``prompt_len`` has filled the context;
+    by default a full cache's whole blocks can be discarded."""
+    end = (limit - 1) // bs * bs if discard_end is None else discard_end
+    return ContextState(prompt_len, max_tokens, limit, bs, end, **kw)
 
 
 # ---- decisions ----
@@ -64,52 +59,66 @@ def state(num_tokens, limit=64, max_tokens=16, admission=True, discardable=None,
 
 def test_error_refuses_prompt_plus_max_tokens_over_the_limit():
     policy = ErrorPolicy()
-    assert policy.decide(state(48, max_tokens=16)) == Fits()
-    refused = policy.decide(state(49, max_tokens=16))
+    assert policy.admit(state(48, max_tokens=16)) == Fits()
+    refused = policy.admit(state(49, max_tokens=16))
     assert isinstance(refused, Reject) and "65 tokens" in refused.message
-    assert isinstance(policy.decide(state(64, max_tokens=None)), Reject)
-    assert policy.decide(state(64, admission=False, max_tokens=None)) == Finish()
+    assert isinstance(policy.admit(state(64, max_tokens=None)), Reject)
+    assert policy.on_full(state(10, max_tokens=None)) == Finish()
 
 
 def test_truncate_drops_oldest_prompt_tokens_after_n_keep():
     policy = TruncatePolicy(n_keep=5)
-    assert policy.decide(state(40, max_tokens=16)) == Fits()
-    assert policy.decide(state(60, max_tokens=16)) == Drop(5, 12)  # 48 left + 16 = 64
-    assert policy.decide(state(70, max_tokens=None)) == Drop(5, 7)  # one token of room
-    assert isinstance(policy.decide(state(70, max_tokens=60)), Reject)  # room 4 < n_keep
-    assert TruncatePolicy(n_keep=-1).decide(state(70, max_tokens=8)).__class__ is Reject
-    assert policy.decide(state(64, admission=False)) == Finish()
+    assert policy.admit(state(40, max_tokens=16)) == Fits()
+    assert policy.admit(state(60, max_tokens=16)) == Drop(5, 12)  # 48 left + 16 = 64
+    assert policy.admit(state(70, max_tokens=None)) == Drop(5, 7)  # one token of room
+    assert isinstance(policy.admit(state(70, max_tokens=60)), Reject)  # room 4 < n_keep
+    assert TruncatePolicy(n_keep=-1).admit(state(70, max_tokens=8)).__class__ is Reject
+    assert policy.on_full(state(10)) == Finish()
 
 
 def test_stop_admits_any_max_tokens_and_finishes_at_the_limit():
     policy = StopPolicy()
-    assert policy.decide(state(40, max_tokens=1000)) == Fits()
-    assert isinstance(policy.decide(state(64, max_tokens=1)), Reject)
-    assert policy.decide(state(64, admission=False)) == Finish()
+    assert policy.admit(state(40, max_tokens=1000)) == Fits()
+    assert isinstance(policy.admit(state(64, max_tokens=1)), Reject)
+    assert policy.on_full(state(10)) == Finish()
 
 
 def test_shift_keeps_n_keep_and_discards_half_the_rest_in_blocks():
     policy = ShiftPolicy(n_keep=5)  # rounded up to 8
-    assert policy.decide(state(64, admission=False)) == Drop(8, 28)  # (64 - 8) / 2
-    assert ShiftPolicy(n_keep=0, n_discard=5).decide(state(64, admission=False)) == Drop(0, 8)
+    assert policy.on_full(state(10)) == Drop(8, 28)  # (64 - 8) / 2
+    assert ShiftPolicy(n_keep=0, n_discard=5).on_full(state(10)) == Drop(0, 8)
     # The cache layout caps the drop; below one block the request stops instead.
-    capped = state(64, admission=False, discardable=lambda keep: 12)
-    assert policy.decide(capped) == Drop(8, 12)
-    blocked = state(64, admission=False, discardable=lambda keep: 3)
-    assert policy.decide(blocked) == Finish()
-    assert policy.decide(state(64, admission=False, max_tokens=None)) == Finish()
+    assert policy.on_full(state(10, discard_end=20)) == Drop(8, 12)
+    assert policy.on_full(state(10, discard_end=11)) == Finish()
+    assert policy.on_full(state(10, discard_end=4)) == Finish()  # ends before the kept ones
+    assert policy.on_full(state(10, max_tokens=None)) == Finish()
+
+
+def test_shift_stops_once_its_drops_would_pass_max_dropped():
+    policy = ShiftPolicy(n_keep=4, n_discard=8)
+    assert policy.on_full(state(10, dropped=24, max_dropped=32)) == Drop(4, 8)
+    assert policy.on_full(state(10, dropped=28, max_dropped=32)) == Finish()
 
 
 def test_shift_refuses_an_n_keep_that_leaves_nothing_to_discard():
-    assert ShiftPolicy(n_keep=8).decide(state(30, max_tokens=500)) == Fits()
-    refused = ShiftPolicy(n_keep=61).decide(state(30, max_tokens=500))
+    assert ShiftPolicy(n_keep=8).admit(state(30, max_tokens=500)) == Fits()
+    refused = ShiftPolicy(n_keep=61).admit(state(30, max_tokens=500))
     assert isinstance(refused, Reject) and refused.code == "invalid_overflow"
-    assert isinstance(ShiftPolicy().decide(state(64, max_tokens=500)), Reject)
+    assert isinstance(ShiftPolicy().admit(state(64, max_tokens=500)), Reject)
+    # A cache that will discard nothing past the kept tokens (a wrapped ring's window).
+    assert isinstance(ShiftPolicy(n_keep=8).admit(state(30, discard_end=11)), Reject)
+
+
+def test_shift_and_sink_need_a_model_that_rotates_its_keys():
+    for policy in (ShiftPolicy(), SinkPolicy()):
+        refused = policy.admit(state(30, can_rotate=False))
+        assert isinstance(refused, Reject) and refused.code == "invalid_overflow"
+    assert StopPolicy().admit(state(30, can_rotate=False)) == Fits()
 
 
 def test_sink_evicts_one_block_after_the_sinks():
-    assert SinkPolicy(n_keep=4).decide(state(64, admission=False)) == Drop(4, 4)
-    assert SinkPolicy(n_keep=4, n_discard=6).decide(state(64, admission=False)) == Drop(4, 8)
+    assert SinkPolicy(n_keep=4).on_full(state(10)) == Drop(4, 4)
+    assert SinkPolicy(n_keep=4, n_discard=6).on_full(state(10)) == Drop(4, 8)
 
 
 def test_request_overflow_choices_are_validated():
@@ -136,47 +145,6 @@ def test_admission_bounds_the_queue_by_requests_and_tokens():
     assert Admission(max_queue_len=4).decide(2, 100, 3, 50) == "queue_full"  # or not at all
     assert Admission(max_queued_tokens=120).decide(1, 100, 1, 50) == "queued_tokens"
     assert Admission(max_queued_tokens=120).decide(0, 0, 1, 500) is None  # an empty queue admits
-
-
-# ---- the KV manager's cache moves ----
-
-
-def test_drop_removes_whole_blocks_from_a_full_table():
-    kv = KVCacheManager(CacheConfig([KVCacheGroup(FullAttentionSpec(1, 4), (0,))], BS, (10,)))
-    tables = kv.new_tables()
-    kv.allocate(tables, 20)
-    a, b, c, d, e = tables[0]
-    assert kv.max_discard(tables, 19, 4) == 12  # whole blocks of cached tokens only
-    moved, _ = kv.drop(tables, 19, 4, 8)
-    assert tables == [[a, d, e]] and moved == [[d, e]]
-    assert kv.num_free_blocks == 7
-    kv.check_integrity([tables])
-    with pytest.raises(ValueError):
-        kv.drop(tables, 11, 2, 4)  # not block aligned
-
-
-def test_drop_turns_a_full_ring_and_keeps_its_blocks():
-    spec = SlidingWindowSpec(1, 4, window_size=6)  # ring of 3 blocks
-    kv = KVCacheManager(CacheConfig([KVCacheGroup(spec, (0,))], BS, (10,)))
-    tables = kv.new_tables()
-    kv.allocate(tables, 24)
-    a, b, c = tables[0]
-    # The next window, [n - 5, n], must start after the kept tokens: 23 - 4 - 5 = 14 -> 12.
-    assert kv.max_discard(tables, 23, 4) == 12
-    moved, _ = kv.drop(tables, 23, 4, 8)
-    assert tables == [[c, a, b]] and moved == [[c, a, b]]
-    assert kv.num_free_blocks == 7
-
-
-def test_drop_treats_a_ring_that_never_wrapped_like_a_full_table():
-    spec = SlidingWindowSpec(1, 4, window_size=30)  # ring of 9 blocks, longer than the context
-    kv = KVCacheManager(CacheConfig([KVCacheGroup(spec, (0,))], BS, (10,)))
-    tables = kv.new_tables()
-    kv.allocate(tables, 20)
-    a, b, c, d, e = tables[0]
-    assert kv.max_discard(tables, 19, 4) == 12
-    kv.drop(tables, 19, 4, 8)
-    assert tables == [[a, d, e]]
 
 
 # ---- the scheduler with a fake paged runner ----
@@ -313,6 +281,21 @@ def test_stop_finishes_at_the_limit():
     run(sched, kv)
     assert req.finish_reason == "length" and req.num_tokens == 32
     assert sched.drain_events().context_overflows == {"stop": 1}
+
+
+def test_a_prompt_drop_at_admission_is_carried_out_and_counted_by_the_scheduler():
+    sched, kv = make([RING, FULL], (12, 12), max_len=32)
+    prompt = [(7 * j) % 97 for j in range(40)]
+    req = Request("a", prompt, greedy(8), context_policy=TruncatePolicy(n_keep=4))
+    drop = req.context_policy.admit(state(40, limit=32, max_tokens=8))
+    assert drop == Drop(4, 16)  # 24 prompt tokens leave room for 8
+    sched.add_request(req, drop)
+    kept = prompt[:4] + prompt[20:]
+    assert req.token_ids == kept and sched.num_waiting_tokens == 24
+    run(sched, kv)
+    assert req.output_token_ids == expected_with_drops(kept, 8, 32, None)
+    assert req.num_dropped_tokens == 16 and req.prompt_token_ids == prompt
+    assert sched.events.context_overflows == {"truncate": 1}
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
