@@ -1,25 +1,104 @@
 """Attention backends: one typed interface, a name registry, chosen once per engine.
 
 A backend owns every operation on the paged cache: writing new K/V, prefill and decode
-attention, re-rotating cached keys after a context shift, and copying whole blocks (swap).
-``torch`` is the plain reference; ``cpu`` is it with the C++ decode kernels of ``kernels.cpu``
-(float32 caches; the default on CPU where they build); ``triton`` runs the Triton kernels on
-CUDA.
-Shapes are those of ``kernels.reference``.
+attention, re-rotating cached keys after a context shift, and copying whole blocks (swap). It
+takes a step as one object, as mini-sglang's backends take their batch: a layer's cache and its
+KV-cache group's ``AttentionMetadata`` (``kernels.paged.ForwardContext`` holds them by layer).
+``torch`` is the plain reference; ``cpu`` is it with the C++ kernels of ``kernels.cpu`` (float32
+caches; the default on CPU where they build), which can also run a float32 model's linear layers
+(``prepare``) and whole decoder layers in one call (``decoder_layers``); ``triton`` runs the
+Triton kernels on CUDA. Shapes are those of ``kernels.reference``.
+
+The model runner orders each step's sequences decodes first (one new token each), then prefill
+chunks; ``AttentionMetadata.decodes`` and ``.prefills`` are the two parts as metadata of their
+own, which is what ``decode`` and ``prefill`` take::
+
+    sequences:  [ d0  d1  d2 | p0 ------ | p1 --- ]     num_decodes = 3
+    rows:         0   1   2    3 ... 8     9 .. 11      cu_seqlens_q = [0, 1, 2, 3, 9, 12]
+    decodes:    [ d0  d1  d2 ]                          cu_seqlens_q = [0, 1, 2, 3]
+    prefills:                [ p0 ------ | p1 --- ]     cu_seqlens_q = [0, 6, 9]
 """
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import Any, ClassVar
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from kernels import reference
 from kernels.launch import Launch
 from kernels.rotary import RopeLayout, delta_cos_sin, rotate_reference
+from kernels.weights import DecoderLayerWeights
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # a layer's (k_cache, v_cache); v may view k (MLA)
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Tensors of one KV-cache group for one step (B sequences, T new tokens). The block size
+    is the cache's (``kv_cache[0].shape[1]``), not repeated here."""
+
+    slot_mapping: torch.Tensor  # int64 [T], -1 = do not write
+    block_tables: torch.Tensor  # int32 [B, W]
+    seq_lens: torch.Tensor  # int32 [B], context length after this step
+    prefix_lens: torch.Tensor  # int32 [B], tokens cached before this step
+    cu_seqlens_q: torch.Tensor  # int32 [B + 1], rows of new tokens per sequence
+    num_decodes: int  # the first num_decodes sequences have exactly one new token
+    window: int = 0
+    decode_plan: Any = None  # ``plan_decode``'s, made once per step for every layer of the group
+
+    @functools.cached_property
+    def decodes(self) -> AttentionMetadata:
+        """The first ``num_decodes`` sequences alone, with the decode plan (views: made once
+        per step, and valid inside a captured CUDA graph)."""
+        nd = self.num_decodes
+        if nd == self.seq_lens.shape[0]:
+            return self
+        return AttentionMetadata(
+            self.slot_mapping[:nd], self.block_tables[:nd], self.seq_lens[:nd],
+            self.prefix_lens[:nd], self.cu_seqlens_q[: nd + 1], nd, self.window, self.decode_plan,
+        )  # fmt: skip
+
+    @functools.cached_property
+    def prefills(self) -> AttentionMetadata:
+        """The prefill chunks alone, their rows counted from 0."""
+        nd = self.num_decodes
+        if nd == 0:
+            return self
+        return AttentionMetadata(
+            self.slot_mapping[nd:], self.block_tables[nd:], self.seq_lens[nd:],
+            self.prefix_lens[nd:], self.cu_seqlens_q[nd:] - nd, 0, self.window,
+        )  # fmt: skip
+
+
+class Step(Protocol):
+    """What a backend reads of a step (``kernels.paged.ForwardContext``)."""
+
+    def layer(self, layer_id: int) -> tuple[KVCache, AttentionMetadata]:
+        """A layer's cache and its KV-cache group's metadata."""
+        ...
+
+
+class WholeLayer(Protocol):
+    """A pre-norm decoder layer as a backend that runs whole layers takes it
+    (``models.layers.DecoderLayer``)."""
+
+    @property
+    def layer_id(self) -> int: ...  # whose cache and group metadata it reads
+
+    @property
+    def weights(self) -> DecoderLayerWeights: ...
+
+    @property
+    def constants(self) -> tuple[float, float, float, int, str]:
+        """RMSNorm eps and weight offset, attention scale, query heads, MLP activation."""
+        ...
 
 
 class AttentionBackend(ABC):
@@ -38,36 +117,67 @@ class AttentionBackend(ABC):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        prefix_lens: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
         scale: float,
-        window: int,
     ) -> torch.Tensor:
-        """Chunks of new tokens attending causally to themselves and their cached prefix."""
+        """Chunks of new tokens (``meta``: prefill chunks only) attending causally to
+        themselves and their cached prefix -> [T, Hq, Dv]."""
 
-    def plan_decode(
-        self, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, window: int
-    ) -> Any:
+    def plan_decode(self, meta: AttentionMetadata, kv_cache: KVCache) -> Any:
         """What ``decode`` would otherwise recompute in every layer: made once per step and
-        KV-cache group by the model runner, passed to ``decode`` as ``plan``."""
+        KV-cache group (``kernels.paged.ForwardContext.planned``) for its decodes (``meta``),
+        and read back from ``meta.decode_plan``. None: nothing to plan."""
         return None
 
     @abstractmethod
     def decode(
+        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """One query token per sequence (``meta``: decodes only), already written to the
+        cache -> [B, Hq, Dv]."""
+
+    def forward(
         self,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: Step,
         scale: float,
-        window: int,
-        plan: Any = None,
     ) -> torch.Tensor:
-        """One query token per sequence, already written to the cache -> [B, Hq, Dv]."""
+        """A layer's attention over the step: q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv]
+        -> [T, Hq, Dv]; writes k and v to the layer's cache. Prefill attention runs before the
+        cache write, because a sliding-window chunk may overwrite ring slots that its own first
+        tokens still read; decode runs after it."""
+        kv_cache, meta = batch.layer(layer_id)
+        k_cache, v_cache = kv_cache
+        nd = meta.num_decodes
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        if q.shape[0] > nd:
+            out[nd:] = self.prefill(q[nd:], k[nd:], v[nd:], kv_cache, meta.prefills, scale)
+        self.write_cache(k_cache, k, meta.slot_mapping)
+        if v_cache.untyped_storage() is not k_cache.untyped_storage():  # MLA: V is part of K
+            self.write_cache(v_cache, v, meta.slot_mapping)
+        if nd:
+            out[:nd] = self.decode(q[:nd], kv_cache, meta.decodes, scale)
+        return out
+
+    def prepare(self, model: nn.Module) -> int:
+        """Fit a loaded model to this backend's kernels, once, before its first step (the
+        model runner calls it). Returns how many modules changed."""
+        return 0
+
+    def decoder_layers(
+        self,
+        layers: Sequence[WholeLayer],
+        x: torch.Tensor,
+        rope: list[tuple[torch.Tensor, torch.Tensor]],
+        batch: Step,
+    ) -> torch.Tensor | None:
+        """``x`` through ``layers`` (``rope`` their (cos, sin)) when this backend runs whole
+        decoder layers and can run these on this step; None: the modules must run."""
+        return None
 
     @abstractmethod
     def rotate_keys(
@@ -84,24 +194,30 @@ class AttentionBackend(ABC):
         dst[dst_ids.to(dst.device)] = rows.to(dst.device, non_blocking=dst.is_cuda)
 
 
+def _reference_prefill(q, k, v, kv_cache: KVCache, meta, scale: float, attend=None):
+    """``reference.prefill_attention`` over a step's prefill chunks."""
+    return reference.prefill_attention(
+        q, k, v, *kv_cache, meta.block_tables, meta.cu_seqlens_q, meta.prefix_lens, scale,
+        meta.window, attend,
+    )  # fmt: skip
+
+
 class TorchBackend(AttentionBackend):
     name = "torch"
 
     def write_cache(self, cache, rows, slots):
         reference.write_cache(cache, rows, slots)
 
-    def prefill(self, q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens,
-                scale, window):  # fmt: skip
-        return reference.prefill_attention(
-            q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, scale, window
-        )
+    def prefill(self, q, k, v, kv_cache, meta, scale):
+        return _reference_prefill(q, k, v, kv_cache, meta, scale)
 
-    def plan_decode(self, block_tables, seq_lens, block_size, window):
-        return reference.gather_plan(block_tables, seq_lens, block_size, window)
+    def plan_decode(self, meta, kv_cache):
+        block_size = kv_cache[0].shape[1]
+        return reference.gather_plan(meta.block_tables, meta.seq_lens, block_size, meta.window)
 
-    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, window, plan=None):
+    def decode(self, q, kv_cache, meta, scale):
         return reference.decode_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, window, plan
+            q, *kv_cache, meta.block_tables, meta.seq_lens, scale, meta.window, meta.decode_plan
         )
 
     def rotate_keys(self, cache, blocks, delta, layout):
@@ -120,25 +236,28 @@ def sdpa_attend(q, k, v, scale, mask):
 
 class CpuBackend(TorchBackend):
     """The torch reference, with decode attention and cache writes by the C++ kernels and
-    prefill attention by torch's fused attention."""
+    prefill attention by torch's fused attention.
+
+    ``model_kernels``: whether the kernels also run the model, decided once by the model
+    runner: its float32 linear layers (``prepare``) and, in a step of up to ``cpu.MAX_ROWS``
+    new tokens over float32 caches, all its decoder layers in one call (``decoder_layers``).
+    Not for a tensor-parallel rank: the fused layer would skip the all-reduces, and a swapped
+    projection would drop the hook that makes them."""
 
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, model_kernels: bool = True) -> None:
         from kernels import cpu
 
         why = cpu.load()
         if why is not None:
             raise RuntimeError(f"the cpu attention backend is unavailable: {why}")
         self._cpu = cpu
+        self.model_kernels = model_kernels
 
-    def prefill(self, q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens,
-                scale, window):  # fmt: skip
+    def prefill(self, q, k, v, kv_cache, meta, scale):
         attend = sdpa_attend if q.dtype == torch.float32 else None
-        return reference.prefill_attention(
-            q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, scale, window,
-            attend,
-        )  # fmt: skip
+        return _reference_prefill(q, k, v, kv_cache, meta, scale, attend)
 
     def write_cache(self, cache, rows, slots):
         if self._cpu.usable(cache) and cache.stride(2) == cache.shape[3]:
@@ -146,8 +265,8 @@ class CpuBackend(TorchBackend):
         else:
             reference.write_cache(cache, rows, slots)
 
-    def plan_decode(self, block_tables, seq_lens, block_size, window):
-        return None
+    def plan_decode(self, meta, kv_cache):
+        return None  # the kernel walks the block table itself; the fallback plans per call
 
     def rotate_keys(self, cache, blocks, delta, layout):
         if not self._cpu.usable(cache) or cache.stride(-1) != 1:
@@ -156,12 +275,42 @@ class CpuBackend(TorchBackend):
             cos, sin = delta_cos_sin(layout, delta)
             self._cpu.rotate_keys(cache, blocks, cos, sin, layout.start, layout.interleaved)
 
-    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, window, plan=None):
-        if self._cpu.usable(k_cache):
+    def decode(self, q, kv_cache, meta, scale):
+        if self._cpu.usable(kv_cache[0]):
             return self._cpu.decode_attention(
-                q, k_cache, v_cache, block_tables, seq_lens, scale, window
+                q, *kv_cache, meta.block_tables, meta.seq_lens, scale, meta.window
             )
-        return super().decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window)
+        return super().decode(q, kv_cache, meta, scale)
+
+    def prepare(self, model: nn.Module) -> int:
+        """Every float32 nn.Linear becomes a ``FastLinear`` over the same parameters (names
+        and ties kept): ``cpu.linear`` reads a decode step's weights at the memory's bandwidth,
+        for the LM head and every projection outside the fused layers."""
+        if not self.model_kernels:
+            return 0
+        swapped = 0
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear) and self._cpu.usable(child.weight):
+                    setattr(parent, name, self._cpu.FastLinear(child.weight, child.bias))
+                    swapped += 1
+        return swapped
+
+    def decoder_layers(self, layers, x, rope, batch):
+        """One ``cpu.decoder_layers`` call, which writes and reads the caches itself (decodes
+        and prefill chunks alike), where it applies: float32 caches, at most ``MAX_ROWS``
+        rows, no MLP bias (the fused layer adds none)."""
+        if not self.model_kernels or x.shape[0] > self._cpu.MAX_ROWS:
+            return None
+        weights = [layer.weights for layer in layers]
+        if any(w.gate_up.bias is not None or w.down.bias is not None for w in weights):
+            return None
+        caches, metas = zip(*(batch.layer(layer.layer_id) for layer in layers))
+        if not all(self._cpu.usable(k_cache) for k_cache, _ in caches):
+            return None
+        return self._cpu.decoder_layers(
+            x, rope, weights, list(caches), list(metas), layers[0].constants
+        )
 
 
 class TritonBackend(AttentionBackend):
@@ -190,17 +339,17 @@ class TritonBackend(AttentionBackend):
     def write_cache(self, cache, rows, slots):
         self._launch(self._attention.write_cache_launches(cache, rows, slots))
 
-    def prefill(self, q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens,
-                scale, window):  # fmt: skip
+    def prefill(self, q, k, v, kv_cache, meta, scale):
         out, launches = self._attention.prefill_launches(
-            q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, scale, window
-        )
+            q, k, v, *kv_cache, meta.block_tables, meta.cu_seqlens_q, meta.prefix_lens, scale,
+            meta.window,
+        )  # fmt: skip
         self._launch(launches)
         return out
 
-    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, window, plan=None):
+    def decode(self, q, kv_cache, meta, scale):
         out, launches = self._attention.decode_launches(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, window, sms=self._sms
+            q, *kv_cache, meta.block_tables, meta.seq_lens, scale, meta.window, sms=self._sms
         )
         self._launch(launches)
         return out
@@ -230,9 +379,12 @@ def default_backend(device: torch.device, cpu_kernels: bool = True) -> str:
 def get_backend(
     name: str | None, device: torch.device, cpu_kernels: bool = True
 ) -> AttentionBackend:
-    """The backend called ``name``, or the device's own (``default_backend``) when None."""
+    """The backend called ``name``, or the device's own (``default_backend``) when None.
+    ``cpu_kernels``: whether the ``cpu`` backend also runs the model (``CpuBackend``)."""
     if name is None:
         name = default_backend(device, cpu_kernels)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {backend_names()}")
+    if name == CpuBackend.name:
+        return CpuBackend(model_kernels=cpu_kernels)
     return BACKENDS[name]()

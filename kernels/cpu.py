@@ -1,4 +1,4 @@
-"""float32 CPU kernels for decode, in C++ with AVX2 (``csrc/cpu_kernels.cpp``).
+"""float32 CPU kernels for decode, in C++ with AVX2 (the library under ``csrc/cpu/``).
 
 A decode step multiplies a few activation rows by every weight matrix, so its cost is reading
 the weights once. torch's CPU GEMM (MKL) reaches a fraction of the read bandwidth at those
@@ -9,9 +9,12 @@ paged decode attention read straight from the block pool, cache writes, RMSNorm,
 embedding and gated activations. Their plain torch counterparts (``kernels.reference``,
 ``models.layers``) stay the reference the tests compare with.
 
-The library is built on first use with the system C++ compiler and cached by torch (under
-``$TORCH_EXTENSIONS_DIR``, default ~/.cache/torch_extensions); ``load()`` says why not when it
-cannot be, and the torch path serves instead.
+The library is one file per kind of kernel (``linear``, ``attention``, ``cache``, ``pointwise``,
+``decoder_layer``), over ``vec.h``, the only file written for the instruction set, and
+``threads.h``; ``bindings.cpp`` registers the torch ops. It is built on first use with the system
+C++ compiler and cached by torch (under ``$TORCH_EXTENSIONS_DIR``, default
+~/.cache/torch_extensions); ``load()`` says why not when it cannot be, and the torch path serves
+instead.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from torch import nn
 
 from kernels.weights import DecoderLayerWeights
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+SOURCES = Path(__file__).with_name("csrc") / "cpu"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 # Input rows up to which ``FastLinear`` takes the kernel and a step's decoder layers are one
 # call; above, F.linear (MKL), as fast from ~1024 rows on and faster at 2048 (measured by
@@ -63,8 +66,9 @@ def load() -> str | None:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         cpp_extension.load(
             name="kvserve_cpu",
-            sources=[str(SOURCE)],
+            sources=[str(p) for p in sorted(SOURCES.glob("*.cpp"))],
             extra_cflags=FLAGS,
+            extra_include_paths=[str(SOURCES)],
             is_python_module=False,
             verbose=False,
         )
@@ -114,18 +118,16 @@ def decoder_layers(
     x, rope: list, layers: list[DecoderLayerWeights], caches: list, metas: list, config: tuple
 ):
     """Pre-norm decoder layers for a step's new tokens (decodes and prefill chunks), in one call
-    (see the C++ source). Per layer: ``rope`` its (cos, sin) per token, ``layers`` its weights,
-    ``caches`` its (k_cache, v_cache), ``metas`` its group's ``AttentionMetadata``. ``config``
-    (eps, norm offset, scale, num_heads, activation)."""
+    (see ``csrc/cpu/decoder_layer.h``). Per layer: ``rope`` its (cos, sin) per token, ``layers``
+    its weights, ``caches`` its (k_cache, v_cache), ``metas`` its group's ``AttentionMetadata``.
+    ``config`` (eps, norm offset, scale, num_heads, activation). The weights go by name
+    (``DecoderLayerWeights.named_tensors``): the kernel binds each to its slot by that name."""
     eps, offset, scale, heads, act = config
-    weights = []
-    for w in layers:
-        weights += [
-            w.input_norm, w.qkv.data, w.qkv.bias, w.q_norm, w.k_norm, w.o.data, w.o.bias,
-            w.post_attention_norm, w.mlp_norm, w.gate_up.data, w.down.data, w.post_mlp_norm,
-        ]  # fmt: skip
+    named = [w.named_tensors() for w in layers]
+    names = list(named[0]) if named else []
+    weights = [n[name] for n in named for name in names]
     return _ops().decoder_layers(
-        x, [c for c, _ in rope], [s for _, s in rope], weights, [k for k, _ in caches],
+        x, [c for c, _ in rope], [s for _, s in rope], names, weights, [k for k, _ in caches],
         [v for _, v in caches], [m.slot_mapping for m in metas], [m.block_tables for m in metas],
         [m.seq_lens for m in metas], [m.prefix_lens for m in metas],
         [m.cu_seqlens_q for m in metas], [m.num_decodes for m in metas],

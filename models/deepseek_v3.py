@@ -34,7 +34,7 @@ from kernels.paged import ForwardContext
 from kernels.rotary import RopeLayout
 from models.config import ModelConfig
 from models.kv_spec import KVCacheGroup, MLASpec
-from models.layers import ACTIVATIONS, GatedMLP, RMSNorm
+from models.layers import ACTIVATIONS, GATE_UP_PACKED, GatedMLP, RMSNorm
 from models.loader import load_by_name
 
 # transformers builds q_a_layernorm / kv_a_layernorm with the default eps, not rms_norm_eps.
@@ -349,6 +349,8 @@ class DeepseekV3ForCausalLM(nn.Module):
     # Decode batches (up to GATHER_MAX_TOKENS tokens) route on the device; MLA attention goes
     # through the cache like any other. Prefill's grouped MoE syncs, but it is not captured.
     cuda_graphs = True
+    # The dense and shared-expert MLPs' gate and up; MLA's q_proj stays a projection of its own.
+    packed_modules_mapping = GATE_UP_PACKED
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -20,6 +20,8 @@ from kernels.rotary import RopeLayout
 from models.config import ModelConfig
 from models.kv_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from models.layers import (
+    GATE_UP_PACKED,
+    QKV_PACKED,
     DecoderLayer,
     GatedMLP,
     RMSNorm,
@@ -83,8 +85,7 @@ class Gemma3Attention(LlamaAttention):
     def forward(self, x, cos, sin, ctx: ForwardContext):
         q, k, v = self.project(x)
         q, k = self.q_norm(q), self.k_norm(k)
-        rope = self.fused_rope
-        q, k = apply_rope(q, cos, sin, rope), apply_rope(k, cos, sin, rope)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = ctx.attention(self.layer_id, q, k, v, self.scale)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
@@ -130,6 +131,7 @@ class Gemma3Model(nn.Module):
 
 class Gemma3ForCausalLM(nn.Module):
     cuda_graphs = True
+    packed_modules_mapping = {**QKV_PACKED, **GATE_UP_PACKED}
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

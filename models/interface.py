@@ -4,8 +4,9 @@ To add an architecture: write a module with an ``nn.Module`` class that has thes
 (``models/llama.py`` is the shortest example), and name it in ``models.loader.ARCHITECTURES``
 under the ``architectures`` string of its config.json. Attention goes through
 ``ForwardContext.attention(layer_id, q, k, v, scale)``, which reads and writes the paged cache;
-the model never sees block tables. Tests compare the new class with transformers' own on the
-same weights (tests/models/).
+the model never sees block tables. Projections that read the same input are packed into one
+module when the checkpoint is loaded (``packed_modules_mapping``). Tests compare the new class
+with transformers' own on the same weights (tests/models/).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ class CausalLM(Protocol):
     # Whether ``forward`` can be captured in a CUDA graph: no host syncs (``.item()``,
     # ``.tolist()``), no tensors built from host data, no shapes that depend on values.
     cuda_graphs: bool
+    # Checkpoint projections the loader packs into one module: checkpoint module name ->
+    # (packed module, part), e.g. {"q_proj": ("qkv_proj", 0), ...} (``models.loader``).
+    packed_modules_mapping: dict[str, tuple[str, int]]
 
     def __init__(self, cfg: ModelConfig) -> None:
         """Build the layers with empty weights (in the default dtype and device)."""

@@ -5,17 +5,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.cpu import FastLinear
 from kernels.paged import ForwardContext
 from kernels.rotary import RopeLayout
 from models.config import ModelConfig
 from models.kv_spec import FullAttentionSpec, KVCacheGroup
 from models.layers import (
+    GATE_UP_PACKED,
+    QKV_PACKED,
     DecoderLayer,
     GatedMLP,
+    PackedLinear,
     RMSNorm,
     apply_rope,
-    fuse_linears,
     rope_cos_sin,
     rope_inv_freq,
     run_layers,
@@ -24,11 +25,8 @@ from models.loader import load_by_name
 
 
 class LlamaAttention(nn.Module):
-    fused_rope = False
-
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
-        self.qkv_proj: FastLinear | None = None  # q, k and v as one, after use_cpu_kernels
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
@@ -37,30 +35,20 @@ class LlamaAttention(nn.Module):
         )
         bias = cfg.get("attention_bias", False)
         h, d = cfg.hidden_size, self.head_dim
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.qkv_sizes = (self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d)
+        self.qkv_proj = PackedLinear(h, self.qkv_sizes, bias=bias)  # the checkpoint's q, k, v
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
         self.scale = d**-0.5
-
-    def use_cpu_kernels(self) -> None:
-        self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
-        self.fused_rope = True
 
     def project(self, x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k and v [T, Hkv, D]."""
         t, d = x.shape[0], self.head_dim
-        if self.qkv_proj is not None:
-            nq, nkv = self.num_heads * d, self.num_kv_heads * d
-            q, k, v = self.qkv_proj(x).split([nq, nkv, nkv], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         return q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
 
     def forward(self, x, cos, sin, ctx: ForwardContext):
         q, k, v = self.project(x)
-        rope = self.fused_rope
-        q, k = apply_rope(q, cos, sin, rope), apply_rope(k, cos, sin, rope)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = ctx.attention(self.layer_id, q, k, v, self.scale)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
@@ -97,6 +85,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     cuda_graphs = True
+    packed_modules_mapping = {**QKV_PACKED, **GATE_UP_PACKED}
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -59,14 +59,33 @@ def load_model(
     return model.eval()
 
 
+def packed_piece(model: nn.Module, name: str) -> tuple[str, tuple] | None:
+    """Where a checkpoint tensor of a projection the model packs with others goes (its
+    ``packed_modules_mapping``: ``q_proj`` -> part 0 of ``qkv_proj``): (parameter name, its
+    rows), or None for a name that is not one."""
+    mapping = getattr(model, "packed_modules_mapping", {})
+    parts = name.split(".")
+    if len(parts) < 2 or parts[-2] not in mapping:
+        return None
+    packed, index = mapping[parts[-2]]
+    module_name = ".".join([*parts[:-2], packed])
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return None
+    return f"{module_name}.{parts[-1]}", (module.part(index),)
+
+
 @torch.no_grad()
 def load_by_name(model: nn.Module, weights, pieces=None) -> None:
     """Copy checkpoint tensors into parameters of the same name; every parameter must be set.
 
     ``pieces(name)`` places a checkpoint tensor that fills only part of a parameter (one expert
     of a stacked weight): it returns ``(parameter name, index)`` for such a name, ``index``
-    taken of the parameter, or None for any other. A parameter filled in pieces is set once its
-    pieces, each given once, add up to all of it."""
+    taken of the parameter, or None for any other. Projections the model packs
+    (``packed_piece``) are placed the same way, so q, k and v (gate and up) are fused once,
+    here. A parameter filled in pieces is set once its pieces, each given once, add up to all
+    of it."""
     params = dict(model.named_parameters())
     missing = set(params)
     tied = model.config.get("tie_word_embeddings", False)
@@ -74,6 +93,8 @@ def load_by_name(model: nn.Module, weights, pieces=None) -> None:
     seen_pieces: set[str] = set()
     for name, tensor in weights:
         place = pieces(name) if pieces is not None else None
+        if place is None:
+            place = packed_piece(model, name)
         if place is not None:
             if name in seen_pieces:
                 raise ValueError(f"checkpoint tensor {name!r} appears twice")

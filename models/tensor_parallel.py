@@ -15,6 +15,10 @@ Per layout:
 
 A rank builds its model from ``shard_config`` (the per-rank head and MLP sizes, so every module
 and the KV cache come out at the rank's shape) and loads ``shard_weights`` of the checkpoint.
+Sharding reads the checkpoint's own tensors, q, k and v (gate and up) each split on its own,
+before the loader packs them (``models.loader.packed_piece``): a rank's ``qkv_proj`` is its
+query heads, then its KV heads' keys, then their values; its ``gate_up_proj`` its gate columns,
+then the same up columns.
 Heads must divide by N: a model whose query or KV heads do not (SmolLM2: 9 and 3 over 2 ranks)
 is refused with the sizes that work, rather than padded.
 """
@@ -33,7 +37,7 @@ from models.config import ModelConfig
 GQA = ("LlamaForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM")
 MLA = ("DeepseekV3ForCausalLM",)
 SUPPORTED = GQA + MLA
-# Output features split (every one lays its heads or columns out contiguously).
+# Output features split (every one lays its heads or columns out contiguously); checkpoint names.
 COLUMN = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")  # input features split; outputs all-reduced
 EXPERTS = ("experts", "shared_experts")  # a module holding these is reduced once, after them

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from engine.worker.step_inputs import StepArrays
-from kernels.backend import AttentionBackend
-from kernels.paged import AttentionMetadata, ForwardContext
+from kernels.backend import AttentionBackend, AttentionMetadata
+from kernels.paged import ForwardContext
 from models.interface import CausalLM
 from models.kv_spec import KVCacheGroup
 
@@ -62,7 +62,6 @@ class DecodeGraphs:
     ):
         self.model, self.backend, self.groups = model, backend, groups
         self.kv_caches, self.layer_to_group = kv_caches, layer_to_group
-        self.block_size = block_size
         self.sizes = batch_sizes(max_num_seqs)
         batch = self.sizes[-1]
         self.widths = [g.spec.table_width(max_model_len, block_size) for g in groups]
@@ -79,23 +78,19 @@ class DecodeGraphs:
         return self.sizes[-1]
 
     def _context(self, batch: int) -> ForwardContext:
-        metas = []
-        for group, buf in zip(self.groups, self.buffers):
-            tables, lens = buf.device["tables"][:batch], buf.device["seq_lens"][:batch]
-            window = group.spec.window
-            metas.append(
-                AttentionMetadata(
-                    slot_mapping=buf.device["slots"][:batch],
-                    block_tables=tables,
-                    seq_lens=lens,
-                    prefix_lens=buf.prefix[:batch],
-                    cu_seqlens_q=self.cu[: batch + 1],
-                    num_decodes=batch,
-                    window=window,
-                    decode_plan=self.backend.plan_decode(tables, lens, self.block_size, window),
-                )
+        metas = [
+            AttentionMetadata(
+                slot_mapping=buf.device["slots"][:batch],
+                block_tables=buf.device["tables"][:batch],
+                seq_lens=buf.device["seq_lens"][:batch],
+                prefix_lens=buf.prefix[:batch],
+                cu_seqlens_q=self.cu[: batch + 1],
+                num_decodes=batch,
+                window=group.spec.window,
             )
-        return ForwardContext(self.backend, metas, self.kv_caches, self.layer_to_group)
+            for group, buf in zip(self.groups, self.buffers)
+        ]
+        return ForwardContext.planned(self.backend, metas, self.kv_caches, self.layer_to_group)
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -15,12 +15,11 @@ from engine.worker.sampler import Sampler, logprobs_of
 from engine.worker.step_inputs import step_arrays, to_device
 from engine.worker.structured import Grammars
 from kernels import cpu
-from kernels.backend import AttentionBackend, get_backend
-from kernels.paged import AttentionMetadata, ForwardContext
+from kernels.backend import AttentionBackend, AttentionMetadata, get_backend
+from kernels.paged import ForwardContext
 from kernels.rotary import RopeLayout
 from models.interface import CausalLM
 from models.kv_spec import KVCacheGroup, MLASpec
-from models.layers import use_cpu_kernels
 from models.loader import load_model
 from models.tensor_parallel import NO_TP, TPRank, shard_config
 
@@ -37,14 +36,16 @@ class ModelRunner:
         self.config = config
         self.device = config.torch_device
         self.dtype = TORCH_DTYPES[config.dtype]
-        self.backend: AttentionBackend = get_backend(config.attention_backend, self.device)
+        # The C++ layers would skip a tensor-parallel model's all-reduces: kernels.cpu runs
+        # attention only there.
+        model_kernels = config.cpu_kernels and tp.size == 1
+        self.backend: AttentionBackend = get_backend(
+            config.attention_backend, self.device, model_kernels
+        )
         self.tp = tp
         model_config = shard_config(config.model_config, tp)
         self.model: CausalLM = load_model(model_config, self.dtype, self.device, tp)
-        # Whether the model runs on kernels.cpu, or why not: for the start-up log. The fused
-        # C++ layer would skip the all-reduces of a tensor-parallel model.
-        cpu_kernels = config.cpu_kernels and tp.size == 1
-        self.cpu_kernels = self._use_cpu_kernels() if cpu_kernels else "off"
+        self.cpu_kernels = self._cpu_kernels(self.backend.prepare(self.model))
         self.groups: list[KVCacheGroup] = self.model.kv_cache_groups(model_config, config.dtype)
         layer_to_group = [0] * model_config.num_layers
         for gi, g in enumerate(self.groups):
@@ -60,7 +61,13 @@ class ModelRunner:
         self.key_rope: list[RopeLayout] | None = None if None in rope else rope
         self.graphs: DecodeGraphs | None = None
 
-    def _use_cpu_kernels(self) -> str:
+    def _cpu_kernels(self, swapped: int) -> str:
+        """Whether the model runs on kernels.cpu (``swapped`` linear layers by ``prepare``),
+        or why not: for the start-up log."""
+        if not self.config.cpu_kernels:
+            return "off"
+        if self.tp.size > 1:
+            return "off (tensor parallel)"
         if self.device.type != "cpu":
             return f"not on CPU ({self.device})"
         if self.dtype != torch.float32:
@@ -68,7 +75,9 @@ class ModelRunner:
         why = cpu.load()
         if why is not None:
             return f"unavailable, {why}"
-        return f"on ({use_cpu_kernels(self.model)} modules)"
+        if not swapped:
+            return f"off (the {self.backend.name} attention backend)"
+        return f"on ({swapped} linear layers)"
 
     def graphs_unavailable(self) -> str | None:
         """Why decode steps cannot run from CUDA graphs here, or None when they can."""
@@ -176,26 +185,21 @@ class ModelRunner:
         for g in step.groups:
             flat += [g.block_tables, g.slot_mapping, g.seq_lens]
         ids, positions, cu, prefix_lens, *per_group = to_device(flat, self.device)
-        nd = out.num_decodes
-        metas = []
-        for gi, group in enumerate(self.groups):
-            tables, slots, lens = per_group[3 * gi : 3 * gi + 3]
-            window = group.spec.window
-            # One plan for the step's decodes, shared by every layer of the group.
-            plan = self.backend.plan_decode(tables[:nd], lens[:nd], bs, window) if nd else None
-            metas.append(
-                AttentionMetadata(
-                    slot_mapping=slots,
-                    block_tables=tables,
-                    seq_lens=lens,
-                    prefix_lens=prefix_lens,
-                    cu_seqlens_q=cu,
-                    num_decodes=nd,
-                    window=window,
-                    decode_plan=plan,
-                )
+        metas = [
+            AttentionMetadata(
+                slot_mapping=slots,
+                block_tables=tables,
+                seq_lens=lens,
+                prefix_lens=prefix_lens,
+                cu_seqlens_q=cu,
+                num_decodes=out.num_decodes,
+                window=group.spec.window,
             )
-        ctx = ForwardContext(self.backend, metas, self.kv_caches, self.layer_to_group)
+            for group, tables, slots, lens in zip(
+                self.groups, per_group[0::3], per_group[1::3], per_group[2::3]
+            )
+        ]
+        ctx = ForwardContext.planned(self.backend, metas, self.kv_caches, self.layer_to_group)
         hidden = self.model(ids, positions, ctx)
         rows = step.sample_rows[[s.sample for s in out.scheduled]]
         return hidden, rows.tolist()

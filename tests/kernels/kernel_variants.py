@@ -1,14 +1,15 @@
 """Every Triton kernel variant the launch code asks for, compiled ahead of time for sm_90 and
 sm_80 without a GPU, with the resources each compiled kernel takes.
 
-The launches come from the code that serves: ``kernels.paged.ForwardContext.attention`` and
-``rotate_keys`` of the ``triton`` backend, whose ``run`` records each launch instead of running
-it, on meta tensors shaped as a model's steps are (its KV-cache groups from ``models``). A launch
-becomes a variant the way Triton's JIT makes one: the constexprs plus the specialization Triton
-derives from the arguments (integers equal to 1 or divisible by 16, pointers aligned to 16
-bytes). Each distinct variant is compiled once with ``triton.compile`` for the target; its
-cubin's resource usage (``cuobjdump``) gives registers, static shared memory and the stack
-frame, where spilled registers go; Triton's metadata gives the dynamic shared memory.
+The launches come from the code that serves: ``forward`` (reached as a model's layers reach it,
+by ``kernels.paged.ForwardContext.attention``) and ``rotate_keys`` of the ``triton`` backend,
+whose ``run`` records each launch instead of running it, on meta tensors shaped as a model's
+steps are (its KV-cache groups from ``models``). A launch becomes a variant the way Triton's JIT
+makes one: the constexprs plus the specialization Triton derives from the arguments (integers
+equal to 1 or divisible by 16, pointers aligned to 16 bytes). Each distinct variant is compiled
+once with ``triton.compile`` for the target; its cubin's resource usage (``cuobjdump``) gives
+registers, static shared memory and the stack frame, where spilled registers go; Triton's
+metadata gives the dynamic shared memory.
 
 Run as a module, in a process without ``TRITON_INTERPRET`` (the kernels must be JIT functions):
 it prints one JSON document, ``{"skip": reason}`` or ``{"rows": [...]}`` with one row per
@@ -117,7 +118,7 @@ def steps(max_len: int) -> Iterator[Step]:
 
 
 def _metadata(step: Step, width: int, window: int):
-    from kernels.paged import AttentionMetadata
+    from kernels.backend import AttentionMetadata
 
     batch = len(step.seq_lens)
     meta = dict(dtype=torch.int32, device="meta")
@@ -181,7 +182,7 @@ def record_launches(name: str, dtype: torch.dtype, sms: int) -> Iterator[tuple[i
             width = spec.table_width(max(step.seq_lens), BLOCK_SIZE)
             caches, (q, k, v) = _layer_tensors(spec, cfg.num_heads, step.num_tokens, dtype)
             meta = _metadata(step, width, spec.window)
-            ForwardContext(backend, [meta], [caches], (0,)).attention(0, q, k, v, 0.1)
+            ForwardContext.planned(backend, [meta], [caches], (0,)).attention(0, q, k, v, 0.1)
         for blocks in (1, 3, 17):  # a context shift re-rotates whole blocks
             ids = torch.empty(blocks, dtype=torch.int64, device="meta")
             backend.rotate_keys(caches[0], ids, -37, _rope_layout(spec))

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
-from kernels.backend import get_backend
+from kernels.backend import AttentionMetadata, get_backend
 
 triton_attention = pytest.importorskip("kernels.triton_attention")
 
@@ -283,7 +283,36 @@ def _run_prefill(
     assert actual.shape == (total, hq, dv)
     _assert_close(actual, expected, dtype)
     if DEVICE == "cpu":  # the CPU backend's prefill (torch's fused attention at float32)
-        _assert_close(get_backend("cpu", torch.device("cpu")).prefill(*args), expected, dtype)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((total,), -1), block_tables=cache.tables,
+            seq_lens=prefix + cu.diff().int(), prefix_lens=prefix, cu_seqlens_q=cu,
+            num_decodes=0, window=window,
+        )  # fmt: skip
+        backend = get_backend("cpu", torch.device("cpu"))
+        ours = backend.prefill(q, k, v, (cache.k_cache, cache.v_cache), meta, dk**-0.5)
+        _assert_close(ours, expected, dtype)
+
+
+def test_a_steps_metadata_splits_into_its_decodes_and_its_prefill_chunks():
+    # Three decodes, then chunks of 6 and 3 new tokens.
+    cu = torch.tensor([0, 1, 2, 3, 9, 12], dtype=torch.int32)
+    prefix = torch.tensor([4, 9, 1, 0, 20], dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(12), block_tables=torch.arange(10).view(5, 2).int(),
+        seq_lens=prefix + cu.diff(), prefix_lens=prefix, cu_seqlens_q=cu, num_decodes=3,
+        window=8, decode_plan="plan",
+    )  # fmt: skip
+    decodes, prefills = meta.decodes, meta.prefills
+    assert decodes.num_decodes == 3 and decodes.decode_plan == "plan"
+    assert decodes.cu_seqlens_q.tolist() == [0, 1, 2, 3]
+    assert decodes.seq_lens.tolist() == [5, 10, 2]
+    assert decodes.block_tables.tolist() == [[0, 1], [2, 3], [4, 5]]
+    assert prefills.num_decodes == 0 and prefills.window == 8
+    assert prefills.cu_seqlens_q.tolist() == [0, 6, 9]
+    assert prefills.prefix_lens.tolist() == [0, 20]
+    assert prefills.slot_mapping.tolist() == list(range(3, 12))
+    assert decodes.decodes is decodes and prefills.prefills is prefills
+    assert meta.decodes is decodes  # made once per step
 
 
 def _ragged_chunks(block_size: int) -> list[tuple[int, int]]:

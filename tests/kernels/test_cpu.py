@@ -4,10 +4,15 @@ Every op is compared with the reference the torch path runs (kernels.reference, 
 F.linear) on shapes that cover the kernels' edge cases: row counts on both sides of the few-rows
 and tiled paths and with remainders, feature counts that are not multiples of the vector width,
 windows that wrap the block ring, a value cache that is a strided view of the key cache (MLA),
-and slots to skip. A model switched onto the kernels keeps its parameters and its outputs.
+and slots to skip. A model fitted to the kernels (``CpuBackend.prepare``) keeps its parameters and
+its outputs.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,8 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu, reference
-from kernels.backend import get_backend
-from models.layers import ACTIVATIONS, GatedMLP, RMSNorm, apply_rope, use_cpu_kernels
+from kernels.backend import AttentionMetadata, get_backend
+from kernels.weights import DecoderLayerWeights, Weight
+from models.layers import ACTIVATIONS, GatedMLP, RMSNorm, apply_rope
 
 why = cpu.load()
 pytestmark = pytest.mark.skipif(why is not None, reason=f"kernels.cpu unavailable: {why}")
@@ -115,10 +121,14 @@ def test_cpu_backend_falls_back_to_the_reference_for_other_dtypes():
     backend = get_backend("cpu", torch.device("cpu"))
     k_cache, v_cache, tables, seq_lens = _paged([9, 3], 4, 2, 32, 0, seed=5)
     q = torch.randn(2, 4, 32)
-    args = (tables, seq_lens, 0.2, 0)
-    ref = reference.decode_attention(q, k_cache, v_cache, *args)
-    torch.testing.assert_close(backend.decode(q, k_cache, v_cache, *args), ref)
-    half = backend.decode(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), *args)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((2,), -1), block_tables=tables, seq_lens=seq_lens,
+        prefix_lens=seq_lens - 1, cu_seqlens_q=torch.arange(3, dtype=torch.int32),
+        num_decodes=2,
+    )  # fmt: skip
+    ref = reference.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.2, 0)
+    torch.testing.assert_close(backend.decode(q, (k_cache, v_cache), meta, 0.2), ref)
+    half = backend.decode(q.bfloat16(), (k_cache.bfloat16(), v_cache.bfloat16()), meta, 0.2)
     torch.testing.assert_close(half.float(), ref, rtol=2e-2, atol=2e-2)
 
 
@@ -127,33 +137,24 @@ def test_rms_norm_matches_the_module(offset):
     norm = RMSNorm(72, 1e-6, offset)
     nn.init.normal_(norm.weight)
     x = torch.randn(5, 3, 72) * 4
-    expected = norm(x)
-    norm.use_cpu_kernels()
-    torch.testing.assert_close(norm(x), expected, rtol=1e-5, atol=1e-5)
+    ours = cpu.rms_norm(x, norm.weight, norm.eps, norm.offset)
+    torch.testing.assert_close(ours, norm(x), rtol=1e-5, atol=1e-5)
 
 
 def test_rope_matches_the_torch_rotation():
     x = torch.randn(6, 3, 64)[:, :, :]
     pos = torch.arange(6).float()[:, None] * torch.rand(32)[None, :]
     cos, sin = torch.cat([pos, pos], -1).cos(), torch.cat([pos, pos], -1).sin()
-    torch.testing.assert_close(
-        apply_rope(x, cos, sin, fused=True), apply_rope(x, cos, sin), rtol=1e-5, atol=1e-6
-    )
+    torch.testing.assert_close(cpu.rope(x, cos, sin), apply_rope(x, cos, sin), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
-def test_fused_gated_mlp_matches_the_module(activation):
+def test_gated_activation_matches_the_module(activation):
     mlp = GatedMLP(40, 56, activation, bias=True)
     x = torch.randn(3, 40)
-    expected = mlp(x)
-    names = {n: p.clone() for n, p in mlp.named_parameters()}
-    mlp.use_cpu_kernels()
-    torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-5)
-    # The fused weight is views of it: the parameters keep their names and values.
-    assert {n: p for n, p in mlp.named_parameters()}.keys() == names.keys()
-    for n, p in mlp.named_parameters():
-        assert torch.equal(p, names[n])
-    assert mlp.gate_proj.weight.data_ptr() == mlp.gate_up.weight.data_ptr()
+    with torch.no_grad():
+        ours = mlp.down_proj(cpu.gated_act(mlp.gate_up_proj(x), activation))
+        torch.testing.assert_close(ours, mlp(x), rtol=1e-5, atol=1e-5)
 
 
 def _plain_and_fast(model_dir):
@@ -163,7 +164,7 @@ def _plain_and_fast(model_dir):
     cfg = ModelConfig.from_dir(model_dir)
     plain = load_model(cfg, torch.float32, torch.device("cpu"))
     fast = load_model(cfg, torch.float32, torch.device("cpu"))
-    assert use_cpu_kernels(fast) > 0
+    assert get_backend("cpu", torch.device("cpu")).prepare(fast) > 0
     return cfg, plain, fast
 
 
@@ -299,3 +300,63 @@ def test_fused_decoder_layers_match_the_modules_and_write_the_same_caches(
     for ours, ref in zip(caches_fast, caches_plain):
         for a, c in zip(ours, ref):
             torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def _tiny_layer():
+    """One tiny layer's weights and a function running one decode through it by
+    ``cpu.decoder_layers`` (the same input and caches each call)."""
+    g = torch.Generator().manual_seed(0)
+    hidden, hq, hkv, dim, inter, bs = 16, 2, 1, 8, 12, 4
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g) * 0.1
+
+    weights = DecoderLayerWeights(
+        input_norm=torch.ones(hidden), qkv=Weight(r((hq + 2 * hkv) * dim, hidden)),
+        o=Weight(r(hidden, hq * dim)), mlp_norm=torch.ones(hidden),
+        gate_up=Weight(r(2 * inter, hidden)), down=Weight(r(hidden, inter)),
+    )  # fmt: skip
+    int32 = functools.partial(torch.tensor, dtype=torch.int32)
+    meta = SimpleNamespace(  # the fields of AttentionMetadata that the kernel reads
+        slot_mapping=torch.tensor([5]), block_tables=int32([[0, 1]]), seq_lens=int32([6]),
+        prefix_lens=int32([5]), cu_seqlens_q=int32([0, 1]), num_decodes=1, window=0,
+    )  # fmt: skip
+    x, caches = r(1, hidden), [(r(2, bs, hkv, dim), r(2, bs, hkv, dim))]
+    rope, config = [(torch.ones(1, dim), torch.zeros(1, dim))], (1e-6, 0.0, dim**-0.5, hq, "silu")
+    return weights, lambda w: cpu.decoder_layers(x, rope, [w], caches, [meta], config)
+
+
+def test_fused_layer_binds_its_weights_by_name_not_by_position(monkeypatch):
+    weights, run = _tiny_layer()
+    expected = run(weights)
+    named = DecoderLayerWeights.named_tensors
+    monkeypatch.setattr(
+        DecoderLayerWeights, "named_tensors", lambda w: dict(reversed(named(w).items()))
+    )
+    assert torch.equal(run(weights), expected)
+
+
+@pytest.mark.parametrize(
+    "change,error",
+    [
+        (lambda t: {**t, "gate_proj": t["gate_up"]}, "unknown weight name 'gate_proj'"),
+        (lambda t: {k: v for k, v in t.items() if k != "down"}, "'down' is missing"),
+        (lambda t: {**t, "input_norm": None}, "'input_norm' is missing"),
+        (lambda t: {**t, "q_norm": torch.ones(3)}, "'q_norm' has 3 values, not 8"),
+    ],
+)
+def test_fused_layer_refuses_unknown_missing_and_misshapen_weights(monkeypatch, change, error):
+    weights, run = _tiny_layer()
+    named = DecoderLayerWeights.named_tensors
+    monkeypatch.setattr(DecoderLayerWeights, "named_tensors", lambda w: change(named(w)))
+    with pytest.raises(RuntimeError, match=error):
+        run(weights)
+
+
+@pytest.mark.parametrize("matrix", ["gate_up", "down"])
+def test_fused_layer_refuses_an_mlp_bias_it_would_not_add(matrix):
+    weights, run = _tiny_layer()
+    w = getattr(weights, matrix)
+    biased = dataclasses.replace(weights, **{matrix: Weight(w.data, torch.ones(w.out_features))})
+    with pytest.raises(RuntimeError, match=f"'{matrix}_bias' must be None"):
+        run(biased)

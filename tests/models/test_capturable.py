@@ -12,8 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from engine.worker.cuda_graphs import BATCH_SIZES
-from kernels.backend import AttentionBackend
-from kernels.paged import AttentionMetadata, ForwardContext
+from kernels.backend import AttentionBackend, AttentionMetadata
+from kernels.paged import ForwardContext
 from models import deepseek_v3
 from models.config import ModelConfig
 from models.deepseek_v3 import GATHER_MAX_TOKENS
@@ -83,8 +83,8 @@ class CachelessBackend(AttentionBackend):
     def prefill(self, *args):
         raise NotImplementedError("decode steps only")
 
-    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, window, plan=None):
-        return q[..., : v_cache.shape[-1]].clone()
+    def decode(self, q, kv_cache, meta, scale):
+        return q[..., : kv_cache[1].shape[-1]].clone()
 
     def rotate_keys(self, cache, blocks, delta, layout):
         raise NotImplementedError

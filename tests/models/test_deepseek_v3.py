@@ -167,8 +167,12 @@ def moe_layers(checkpoint):
     path, model = checkpoint
     theirs = model.model.layers[-1].mlp
     ours = MoE(ModelConfig.from_dir(path))
-    # transformers holds its experts stacked under the same names and layout.
-    ours.load_state_dict(theirs.state_dict())
+    # transformers holds its experts stacked under the same names and layout; the shared
+    # experts' gate and up are ours packed, as the loader packs them.
+    state = theirs.state_dict()
+    gate, up = (state.pop(f"shared_experts.{p}_proj.weight") for p in ("gate", "up"))
+    state["shared_experts.gate_up_proj.weight"] = torch.cat([gate, up])
+    ours.load_state_dict(state)
     return ours.eval(), theirs
 
 
