@@ -4,6 +4,7 @@
         [--servers kvserve llama.cpp-f32 llama.cpp-q4_1 vllm-cpu-fp32] [--rounds 1]
         [--out PREFIX]
     python -m bench.cpu --interleave [--servers ...] [--prompts 16] [--out PREFIX]
+    python -m bench.cpu --interleave --servers kvserve-baseline kvserve --baseline DIR
     python -m bench.cpu --linear [--rows 1 2 4 8 16 32 64 128]
 
 Measures the box's memory read bandwidth (a sum over 1 GiB, all torch threads), then starts each
@@ -24,6 +25,8 @@ together (each idle while another serves) and every prompt goes to each server i
 request at a time on a quiet box, in an order shuffled per prompt. Per server: median TPOT and
 TTFT over the prompts, and the median over prompts of its TPOT divided by the first server's on
 the same prompt (the paired comparison). The bandwidth is measured every four prompts.
+``--baseline DIR`` adds ``kvserve-baseline``: kvserve from the source folder of another checkout
+(``git worktree add DIR REV``), so that a change is compared with what it changed, paired.
 
 ``--linear`` times the linear layers of the model's shapes alone: ``kernels.cpu.linear`` against
 ``F.linear`` by input rows (where ``kernels.cpu.MAX_ROWS`` comes from).
@@ -69,6 +72,7 @@ from models.fetch import resolve_model
 
 PEERS = Path(os.environ.get("PEERS", "/tmp/peers"))
 SERVERS = ("kvserve", "llama.cpp-f32", "llama.cpp-q4_1", "vllm-cpu-fp32")
+BASELINE = "kvserve-baseline"  # kvserve from another checkout (--baseline), for before/after
 
 
 @dataclass
@@ -80,16 +84,24 @@ class Server:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def servers(model_dir: Path, port: int, kvserve_args: list[str]) -> dict[str, Server | str]:
-    """Each server by name, or why it cannot run here."""
+def servers(
+    model_dir: Path, port: int, kvserve_args: list[str], baseline: str | None = None
+) -> dict[str, Server | str]:
+    """Each server by name, or why it cannot run here. ``baseline``: the source folder of
+    another kvserve checkout (a ``git worktree`` of an earlier commit), served by this
+    environment's packages as ``kvserve-baseline``, with its C++ kernels built apart."""
     threads = str(os.cpu_count())
     kv = Path(sys.executable).with_name("kvserve")
-    found: dict[str, Server | str] = {
-        "kvserve": Server("kvserve", "kvserve", "fp32", [
-            str(kv), "serve", "--model", str(model_dir), "--served-model-name", "kvserve",
-            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", *kvserve_args,
-        ]),
-    }  # fmt: skip
+    command = [
+        str(kv), "serve", "--model", str(model_dir), "--served-model-name", "kvserve",
+        "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", *kvserve_args,
+    ]  # fmt: skip
+    found: dict[str, Server | str] = {"kvserve": Server("kvserve", "kvserve", "fp32", command)}
+    if baseline is None:
+        found[BASELINE] = "no --baseline checkout given"
+    else:
+        env = {"PYTHONPATH": baseline, "TORCH_EXTENSIONS_DIR": f"{baseline}/.torch_extensions"}
+        found[BASELINE] = Server(BASELINE, "kvserve", "fp32", command, env)
     llama = PEERS / "llama-build/bin/llama-server"
     for name, gguf, weights in (("llama.cpp-f32", "smollm2-f32.gguf", "fp32"),
                                 ("llama.cpp-q4_1", "smollm2-q4_1.gguf", "Q4_1")):  # fmt: skip
@@ -243,7 +255,7 @@ def bench_servers(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)
     fp32, q4 = weight_bytes(model_dir)
     step_bytes = {"fp32": fp32, "Q4_1": q4}
-    available = servers(model_dir, args.port, args.kvserve_args)
+    available = servers(model_dir, args.port, args.kvserve_args, args.baseline)
     bandwidth = [box_bandwidth()]
     print(
         f"box: {os.cpu_count()} cores, {_cpu_model()}; read bandwidth {bandwidth[0] / 1e9:.1f} "
@@ -388,7 +400,7 @@ def bench_interleaved(args: argparse.Namespace) -> int:
     targets, results = {}, {}
     with contextlib.ExitStack() as stack:
         for i, name in enumerate(args.servers):
-            server = servers(model_dir, args.port + i, args.kvserve_args)[name]
+            server = servers(model_dir, args.port + i, args.kvserve_args, args.baseline)[name]
             if isinstance(server, str):
                 print(f"{name}: skipped, {server}", flush=True)
                 continue
@@ -485,7 +497,9 @@ def _cpu_model() -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--servers", nargs="+", default=list(SERVERS), choices=SERVERS)
+    p.add_argument("--servers", nargs="+", default=list(SERVERS), choices=(*SERVERS, BASELINE))
+    p.add_argument("--baseline", metavar="DIR",
+                   help=f"source folder of another checkout, served as {BASELINE}")  # fmt: skip
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8])
     p.add_argument("--prompts", type=int, default=16, help="requests per pass")
     p.add_argument("--input-len", type=int, default=128)

@@ -86,3 +86,20 @@ def test_waiting_for_a_quiet_box_is_bounded():
     start = time.monotonic()
     asyncio.run(quiet(window_s=0.01, busy=-1.0, limit_s=0.1))  # never quiet enough: the limit
     assert 0.1 <= time.monotonic() - start < 2.0
+
+
+def test_a_baseline_checkout_is_served_by_the_same_command_from_its_own_sources(tmp_path):
+    from bench.cpu import BASELINE, Server, servers
+
+    plain = servers(tmp_path, 8100, ["--seed", "1"])
+    assert isinstance(plain[BASELINE], str)  # says why it cannot run
+    found = servers(tmp_path, 8100, ["--seed", "1"], baseline="/src/old")
+    ours, old = found["kvserve"], found[BASELINE]
+    assert isinstance(old, Server) and old.command == ours.command
+    assert old.command[-2:] == ["--seed", "1"] and "8100" in old.command
+    # Its own sources first on the path, and its C++ kernels built apart from ours.
+    assert old.env == {
+        "PYTHONPATH": "/src/old",
+        "TORCH_EXTENSIONS_DIR": "/src/old/.torch_extensions",
+    }
+    assert ours.env == {}
