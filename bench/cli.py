@@ -18,6 +18,7 @@ from bench.loadtest import (
     SLO,
     BenchConfig,
     BenchError,
+    BenchResult,
     format_summary,
     run_benchmark,
     write_result_json,
@@ -218,7 +219,33 @@ def main(argv: list[str]) -> int:
     if args.plot_dir:
         for path in save_plots(result, args.plot_dir):
             print(f"plot: {path}")
-    return 0 if result.summary.completed else 1
+    if result.summary.completed:
+        return 0
+    # A table of n/a alone does not say why; the usual cause is a wrong URL, seen in one line.
+    print(f"kvserve bench: {no_success_reason(result)}", file=sys.stderr)
+    return 1
+
+
+def no_success_reason(result: BenchResult) -> str:
+    """Why no request completed, from the commonest failure (a sample of it names the cause)."""
+    s, url = result.summary, result.config.endpoint_url
+    if not s.failed:
+        return f"no request completed within --duration {result.config.duration_s:g}s"
+    kind = max(s.failed_by_status, key=lambda k: s.failed_by_status[k])
+    sample = next(r for r in result.requests if not r.success and (r.failure or "unknown") == kind)
+    error = " ".join((sample.error or "").split())[:200]
+    if kind.isdigit():
+        reason = f"HTTP {kind} from {url}" + (f" ({error})" if error else "")
+    elif kind == "connection":
+        reason = f"cannot connect to {url} ({error})"
+    else:
+        reason = f"{kind} error from {url}: {error}"
+    hint = "; is --base-url right?" if kind in ("404", "405", "connection") else ""
+    if s.cancelled or s.not_sent:
+        head = f"no request completed ({s.failed} failed, {s.cancelled + s.not_sent} cut short)"
+    else:
+        head = f"all {s.failed} requests failed"
+    return f"{head}: {reason}{hint}"
 
 
 if __name__ == "__main__":

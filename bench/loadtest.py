@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import numpy as np
@@ -89,6 +89,23 @@ class SLO:
         return self.e2e_ms is None or (e2e is not None and e2e * 1e3 <= self.e2e_ms)
 
 
+def normalize_base_url(url: str) -> str:
+    """The OpenAI API root, ending in ``/v1``, from either convention users bring.
+
+    vLLM's ``bench serve`` takes host and port only (``http://127.0.0.1:8000``) and adds the
+    path itself; OpenAI clients take the API root (``.../v1``). Both, with or without a trailing
+    slash, name the same server, so both become ``http://127.0.0.1:8000/v1``. A URL that is not
+    http(s) is left as given, for check_target to reject in the user's own words.
+    """
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https"):
+        return url
+    path = parts.path.rstrip("/")
+    if not path.endswith("/v1"):
+        path += "/v1"
+    return urlunsplit(parts._replace(path=path))
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     base_url: str = DEFAULT_BASE_URL
@@ -123,6 +140,8 @@ class BenchConfig:
     show_progress: bool = False
 
     def __post_init__(self) -> None:
+        # Normalized here, the one door every caller (CLI, tune, tests) passes through.
+        object.__setattr__(self, "base_url", normalize_base_url(self.base_url))
         if self.endpoint not in ENDPOINT_PATHS:
             raise ValueError(f"endpoint must be one of {sorted(ENDPOINT_PATHS)}")
         if self.num_prompts < 1 or self.input_len < 1 or self.output_len < 1:
@@ -138,6 +157,11 @@ class BenchConfig:
             raise ValueError("prefix_fraction is in [0, 1] and turns at least 1")
         if self.prefix_len < 0 or self.scrape_interval_s < 0 or not self.request_timeout_s > 0:
             raise ValueError("prefix_len, scrape interval and request timeout must not be negative")
+
+    @property
+    def endpoint_url(self) -> str:
+        """Where the load goes: the base URL and the endpoint's path."""
+        return self.base_url + ENDPOINT_PATHS[self.endpoint]
 
     @property
     def root_url(self) -> str:
@@ -790,7 +814,7 @@ async def _drive(
     requests: list[BenchRequest],
     scraper: MetricsScraper,
 ) -> tuple[list[RequestRecord], float]:
-    url = config.base_url.rstrip("/") + ENDPOINT_PATHS[config.endpoint]
+    url = config.endpoint_url
     times = arrival_times(
         len(requests), config.request_rate, config.burstiness, _arrival_rng(config)
     )

@@ -163,6 +163,11 @@ def resolve_model(name_or_path: str, progress: bool = True) -> Path:
         return path
     if name_or_path in ALIASES:
         return fetch(name_or_path, progress=progress)
+    if path.suffix.lower() == ".gguf":  # how llama.cpp users name a model; not served directly
+        raise ValueError(
+            f"{name_or_path} is a GGUF file: convert it first (kvserve convert {name_or_path} "
+            "OUT_DIR), then pass --model OUT_DIR"
+        )
     raise ValueError(
         f"{name_or_path!r} is neither a model folder nor a known alias "
         f"({', '.join(sorted(ALIASES))})"

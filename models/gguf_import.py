@@ -432,7 +432,8 @@ def convert_gguf(
     meta = Metadata(reader)
     arch = _ARCHS.get(meta.arch)
     if arch is None:
-        raise ValueError(f"unsupported GGUF architecture {meta.arch!r}; known: {sorted(_ARCHS)}")
+        supported = ", ".join(sorted(_ARCHS))
+        raise ValueError(f"unsupported GGUF architecture {meta.arch!r}; supported: {supported}")
     tied = all(t.name != "output.weight" for t in reader.tensors)
     config = {**arch.config(meta, tied), **(extras or {})}
 

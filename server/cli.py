@@ -13,7 +13,7 @@ import os
 import sys
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from engine.args import EngineArgs, add_cli_args, from_cli_args
 from engine.capacity import capacity
@@ -67,12 +67,24 @@ def build_parser(client: dict[str, EntryPoint] | None = None) -> argparse.Argume
     return parser
 
 
+def fail(command: str, error: BaseException | str) -> NoReturn:
+    """Exit with status 2 (argparse's) after one line on stderr: a user's mistake (a bad flag, a
+    missing or unsupported model) reads better as its message than as a traceback or the
+    several-line usage that ``parser.error`` prints first."""
+    if isinstance(error, OSError) and error.filename and error.strerror:
+        message = f"{error.filename}: {error.strerror}"  # not "[Errno 2] ...: 'x'"
+    else:
+        message = str(error).strip() or type(error).__name__
+    print(f"kvserve {command}: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def engine_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> EngineArgs:
     """The parsed engine flags, checked; a bad value is a usage error (exit status 2)."""
     try:
         return from_cli_args(ns)
     except ValueError as e:
-        parser.error(str(e))
+        fail(ns.command, e)
 
 
 def server_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> ServerArgs:
@@ -83,7 +95,7 @@ def server_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Serv
     try:
         return from_cli_args(ns, ServerArgs, api_key=keys)
     except ValueError as e:
-        parser.error(str(e))
+        fail(ns.command, e)
 
 
 def run_client_command(ep: EntryPoint, argv: list[str]) -> int:
@@ -105,6 +117,20 @@ def log_startup(engine: AsyncEngine, served_model_name: str) -> None:
         min(r.max_seqs_at_full_len for r in rows),
         engine.max_model_len,
     )
+
+
+def check_model(model: str) -> None:
+    """Resolve and read the model before any engine starts, so a wrong ``--model`` (a GGUF file,
+    a folder without config.json, an unknown architecture) is one line, not a traceback from
+    deep in the engine (or from every tensor-parallel rank)."""
+    from models.config import ModelConfig
+    from models.fetch import resolve_model
+    from models.loader import model_class
+
+    try:
+        model_class(ModelConfig.from_dir(resolve_model(model)))
+    except (ValueError, OSError, RuntimeError) as e:
+        fail("serve", e)
 
 
 def serve(args: EngineArgs, http: ServerArgs) -> int:
@@ -150,34 +176,55 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(client)
     ns = parser.parse_args(argv)
     if ns.command == "serve":
-        args = engine_args(parser, ns)
-        from engine.worker.tp_workers import launched, run_rank
-
-        try:
-            launch = launched(args.tensor_parallel_size)
-        except ValueError as e:
-            parser.error(str(e))
-        if launch is not None and launch.tp.rank > 0:  # started by torchrun: rank 0 serves
-            run_rank(args.runner_config(), launch)
-            return 0
-        return serve(args, server_args(parser, ns))
+        return serve_command(parser, ns)
     if ns.command == "plan":
         args = engine_args(parser, ns)
         try:
             return plan(args)
-        except (ValueError, FileNotFoundError) as e:
-            parser.error(str(e))
+        except (ValueError, OSError) as e:
+            fail("plan", e)
     if ns.command == "fetch":
         from models.fetch import fetch
 
-        print(fetch(ns.alias, progress=True))
+        try:
+            print(fetch(ns.alias, progress=True))
+        except (ValueError, OSError, RuntimeError) as e:  # unknown alias, download, disk
+            fail("fetch", e)
         return 0
     if ns.command == "convert":
-        from models.gguf_import import convert_gguf
-
-        print(convert_gguf(ns.gguf, ns.out_dir, progress=True))
-        return 0
+        return convert_command(ns.gguf, ns.out_dir)
     raise AssertionError(ns.command)
+
+
+def serve_command(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    args = engine_args(parser, ns)
+    from engine.worker.tp_workers import launched, run_rank
+
+    try:
+        launch = launched(args.tensor_parallel_size)
+    except ValueError as e:
+        fail("serve", e)
+    check_model(args.model)
+    if launch is not None and launch.tp.rank > 0:  # started by torchrun: rank 0 serves
+        run_rank(args.runner_config(), launch)
+        return 0
+    return serve(args, server_args(parser, ns))
+
+
+def convert_command(gguf: Path, out_dir: Path) -> int:
+    from models.gguf_import import convert_gguf
+
+    if not gguf.is_file():
+        fail("convert", f"no such file: {gguf}")
+    with gguf.open("rb") as f:
+        # The reader's own complaint about a non-GGUF file is a numpy dtype error.
+        if f.read(4) != b"GGUF":
+            fail("convert", f"{gguf} is not a GGUF file (no GGUF magic at its start)")
+    try:
+        print(convert_gguf(gguf, out_dir, progress=True))
+    except (ValueError, OSError) as e:  # not a GGUF file, unsupported architecture, disk
+        fail("convert", e)
+    return 0
 
 
 if __name__ == "__main__":
