@@ -91,6 +91,11 @@ class EngineArgs:
         False, "run every step eagerly: no CUDA graphs for decode steps (CUDA only)"
     )
     seed: int = setting(0, "seed for requests that give none")
+    max_grammar_compile_s: float = setting(
+        5.0,
+        "seconds a request's JSON schema or grammar may take to compile before it gets 400 "
+        "grammar_too_complex",
+    )
     tensor_parallel_size: int = setting(
         1,
         "ranks (processes) sharing each layer's attention heads and MLP, all-reducing over "
@@ -145,6 +150,7 @@ class EngineArgs:
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization"),
             (self.max_model_len is None or self.max_model_len > 0, "max_model_len"),
             (self.max_num_seqs > 0, "max_num_seqs"),
+            (self.max_grammar_compile_s > 0, "max_grammar_compile_s"),
             (self.tensor_parallel_size > 0, "tensor_parallel_size"),
             (self.max_num_batched_tokens > 0, "max_num_batched_tokens"),
             (self.dtype is None or self.dtype in DTYPES, "dtype"),

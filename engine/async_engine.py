@@ -66,7 +66,8 @@ class AsyncEngine:
 
     def admit(self, prompt_token_ids: list[int], params: SamplingParams) -> Admitted:
         """Decides whether the engine takes the request, on the caller's thread: raises
-        RequestError if not (``LLMEngine.admit``)."""
+        RequestError if not (``LLMEngine.admit``). Compiling a constraint may take up to
+        ``max_grammar_compile_s``: call it in a worker thread, not on an event loop."""
         return self.engine.admit(prompt_token_ids, params)
 
     def check_admission(self, num_requests: int, num_tokens: int = 0) -> None:
@@ -94,7 +95,10 @@ class AsyncEngine:
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Output deltas of one request; leaving the loop early aborts it."""
-        admitted = self.admit(prompt_token_ids, params)
+        if params.structured is not None:  # compiles its constraint: off the event loop
+            admitted = await asyncio.to_thread(self.admit, prompt_token_ids, params)
+        else:
+            admitted = self.admit(prompt_token_ids, params)
         (stream,) = self.submit([EngineRequest(request_id, admitted, priority)])
         async for out in stream:
             yield out

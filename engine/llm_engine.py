@@ -73,6 +73,7 @@ class LLMEngine:
         eos = tuple(dict.fromkeys(tokenizer_eos + self.model_config.eos_token_ids))
         vocab = self.model_config.vocab_size
         self.grammars = Grammars(path / "tokenizer.json", vocab, eos) if has_tokenizer else None
+        self.max_grammar_compile_s = args.max_grammar_compile_s  # read at each admission
         runner_config = args.runner_config(self.model_config, eos)
         self.device = runner_config.torch_device
         # Ranks 1..N-1 load their shares while this one loads its own.
@@ -226,7 +227,14 @@ class LLMEngine:
             if self.grammars is None:
                 message = "Structured output needs the model's tokenizer, and it has none."
                 raise RequestError(message, param=params.structured.param)
-            self.grammars.grammar(params.structured)  # raises for an invalid one
+            # Raises for an invalid one, or one slower to compile than the limit; waits for a
+            # compile thread meanwhile, so the server calls admit off its event loop.
+            try:
+                self.grammars.grammar(params.structured, self.max_grammar_compile_s)
+            except RequestError as e:
+                if e.code == "grammar_too_complex":  # a limit, like the others counted
+                    self.metrics.refused(e.code)
+                raise
 
     def _prompt_state(self, prompt_len: int, params: SamplingParams) -> ContextState:
         """A prompt against the context limit, for its policy's ``admit``."""

@@ -19,9 +19,9 @@ from engine.core.scheduler import SchedulerEvents
 FINISH_REASONS = ("stop", "length", "abort", "error")
 PREEMPTION_MODES = ("recompute", "swap")
 # Why a request is refused before any work: its context (context_overflow's Reject codes), the
-# KV pool, the queue (preemption.Admission).
+# KV pool, the queue (preemption.Admission), a grammar over the compile-time limit.
 REJECT_REASONS = ("context_length_exceeded", "invalid_overflow", "kv_capacity", "queue_full",
-                  "queued_tokens")  # fmt: skip
+                  "queued_tokens", "grammar_too_complex")  # fmt: skip
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,

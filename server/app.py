@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
+import json
 import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
@@ -48,11 +51,14 @@ from server.protocol import (
     ModelList,
     PromptLogprob,
     PromptLogprobs,
+    Timings,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfo,
     ToolDefinition,
     TopLogprob,
     Usage,
+    VersionResponse,
     describe_validation_error,
     random_id,
 )
@@ -170,6 +176,11 @@ class Generation:
         self.requests = requests
         self.choices = {i: ChoiceState(i) for i in range(len(requests))}
         self.cached = [0] * len(requests)  # prompt tokens each request found in the cache
+        # For llama.cpp's timings: when the engine took the requests, and when the first and
+        # the latest tokens (of any choice) came back.
+        self.started = time.monotonic()
+        self.first_token: float | None = None
+        self.last_token: float | None = None
         self._stream = merge_streams(engine.submit(requests))
         self._first: tuple[int, RequestOutput] | None = None
         self._active = active
@@ -205,6 +216,9 @@ class Generation:
         if out.prompt_logprobs is not None:
             choice.prompt_logprobs = out.prompt_logprobs
         delta = out.outputs[0]
+        if delta.token_ids:
+            self.last_token = time.monotonic()
+            self.first_token = self.first_token or self.last_token
         choice.add(delta)
         return choice, delta
 
@@ -236,6 +250,20 @@ class Generation:
         cached = sum(self.cached[::n])
         return Usage.of(prompt_tokens, 0 if scores_only else self.completion_tokens(), cached)
 
+    def timings(self, prompt_tokens: int, n: int, scores_only: bool = False) -> Timings:
+        """llama.cpp's timings for the whole request so far (all its prompts and choices)."""
+        usage = self.usage(prompt_tokens, n, scores_only)
+        cached = usage.prompt_tokens_details.cached_tokens
+        first = self.first_token or time.monotonic()
+        last = self.last_token or first
+        return Timings.of(
+            cache_n=cached,
+            prompt_n=usage.prompt_tokens - cached,
+            prompt_ms=(first - self.started) * 1000.0,
+            predicted_n=usage.completion_tokens,
+            predicted_ms=(last - first) * 1000.0,
+        )
+
 
 def check_finished(choice: ChoiceState) -> None:
     if choice.finish_reason == "error":
@@ -259,10 +287,12 @@ class Echo:
         if not self.req.echo:
             return ""
         prompt = self.req.prompts[index // self.req.n]
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) and self.req.truncate_prompt_tokens is None:
             return prompt
+        # Token ids, or a truncated prompt: what the model saw.
+        ids = self.prompts[index // self.req.n]
         tok = self.server.engine.tokenizer
-        return tok.decode(prompt, self.req.skip_special_tokens) if tok is not None else ""
+        return tok.decode(ids, self.req.skip_special_tokens) if tok is not None else ""
 
     def logprobs(
         self, choice: ChoiceState, generated: CompletionLogprobs | None
@@ -379,7 +409,12 @@ class OpenAIServer:
         """n = len(params) choices per prompt, admitted as one group."""
         requests = []
         for ids in prompts:
-            admitted = self.engine.admit(ids, params[0])  # the choices differ only in their seeds
+            # The choices differ only in their seeds. A constraint compiles at admission, for up
+            # to --max-grammar-compile-s: in a worker thread, so other streams go on meanwhile.
+            if params[0].structured is not None:
+                admitted = await asyncio.to_thread(self.engine.admit, ids, params[0])
+            else:
+                admitted = self.engine.admit(ids, params[0])
             for choice_params in params:
                 rid_k = f"{rid}-{len(requests)}"
                 requests.append(EngineRequest(rid_k, admitted.for_choice(choice_params), priority))
@@ -425,7 +460,8 @@ class OpenAIServer:
         plp = req.engine_prompt_logprobs
         params = [req.sampling_params(max_tokens, req.logprobs, k, plp) for k in range(req.n)]
         self.admit(len(req.prompts), req.n)
-        prompts = await self.text_prompts(req.prompts)
+        keep = req.prompt_budget(self.engine.max_model_len)
+        prompts = [req.truncate(ids, keep) for ids in await self.text_prompts(req.prompts)]
         gen = await self.generation(rid, prompts, params, req.priority)
         echo = Echo(self, req, prompts)
         usage_prompt = sum(len(ids) for ids in prompts)
@@ -445,11 +481,17 @@ class OpenAIServer:
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
                     prompt_logprobs=self.prompt_logprobs(c.prompt_logprobs, req.prompt_logprobs),
+                    **token_id_fields(
+                        req, prompts[c.index // req.n], [] if req.scores_only else c.token_ids
+                    ),
                 )
             )
         usage = gen.usage(usage_prompt, req.n, req.scores_only)
+        timings = gen.timings(usage_prompt, req.n, req.scores_only)
         return json_response(
-            CompletionResponse(id=rid, model=self.served_model_name, choices=body, usage=usage)
+            CompletionResponse(
+                id=rid, model=self.served_model_name, choices=body, usage=usage, timings=timings
+            )
         )
 
     async def completion_events(
@@ -458,9 +500,13 @@ class OpenAIServer:
         created = int(time.time())
         offsets = dict.fromkeys(gen.choices, 0)
         first = set(gen.choices)  # choices that have not sent a chunk yet
+        sent = dict.fromkeys(gen.choices, 0)  # token ids each choice has sent
 
         def usage() -> Usage:
             return gen.usage(usage_prompt, req.n, req.scores_only)
+
+        def timings() -> Timings | None:
+            return gen.timings(usage_prompt, req.n, req.scores_only)
 
         async for choice, delta in gen.deltas():
             if delta.finish_reason == "error":
@@ -478,8 +524,12 @@ class OpenAIServer:
             plp = None
             if index in first:
                 plp = self.prompt_logprobs(choice.prompt_logprobs, req.prompt_logprobs)
+            # Ids of tokens that made no text yet (a split character) go with a later chunk.
+            ids = [] if req.scores_only else choice.token_ids[sent[index] :]
+            prompt_ids = echo.prompts[index // req.n] if index in first else None
             if not (prefix or text or delta.finish_reason or logprobs or plp):
                 continue
+            sent[index] += len(ids)
             chunk = CompletionResponse(
                 id=rid,
                 created=created,
@@ -492,16 +542,23 @@ class OpenAIServer:
                         finish_reason=delta.finish_reason,
                         stop_reason=delta.stop_reason,
                         prompt_logprobs=plp,
+                        **token_id_fields(req, prompt_ids, ids),
                     )
                 ],
                 usage=usage() if req.continuous_usage else None,
+                timings=timings() if req.timings_per_token else None,
             )
             first.discard(index)
             yield sse(chunk)
         if req.include_usage:
             yield sse(
                 CompletionResponse(
-                    id=rid, created=created, model=self.served_model_name, choices=[], usage=usage()
+                    id=rid,
+                    created=created,
+                    model=self.served_model_name,
+                    choices=[],
+                    usage=usage(),
+                    timings=timings() if req.timings_per_token else None,
                 )
             )
         yield "data: [DONE]\n\n"
@@ -569,10 +626,12 @@ class OpenAIServer:
             for k in range(req.n)
         ]  # fmt: skip
         self.admit(1, req.n)
+        keep = req.prompt_budget(self.engine.max_model_len)
         prompt = await asyncio.to_thread(self.chat_prompt, req.messages, True, req.tools, tool_plan)
+        prompt = req.truncate(prompt, keep)
         gen = await self.generation(rid, [prompt], params, req.priority)
         if req.stream:
-            return sse_response(self.chat_events(rid, gen, req, len(prompt), tool_plan))
+            return sse_response(self.chat_events(rid, gen, req, prompt, tool_plan))
         choices = await self.collect(gen, request)
         return json_response(
             ChatCompletionResponse(
@@ -585,6 +644,7 @@ class OpenAIServer:
                         logprobs=self.chat_logprobs(c.logprobs, req.num_logprobs),
                         finish_reason=finish_reason,
                         stop_reason=c.stop_reason,
+                        token_ids=list(c.token_ids) if req.return_token_ids else None,
                     )
                     for c in choices
                     for message, finish_reason in [assistant_answer(c, tool_plan)]
@@ -593,6 +653,8 @@ class OpenAIServer:
                 prompt_logprobs=self.prompt_logprobs(
                     choices[0].prompt_logprobs, req.prompt_logprobs
                 ),  # fmt: skip
+                prompt_token_ids=prompt if req.return_token_ids else None,
+                timings=gen.timings(len(prompt), req.n),
             )
         )
 
@@ -601,16 +663,18 @@ class OpenAIServer:
         rid: str,
         gen: Generation,
         req: ChatCompletionRequest,
-        usage_prompt: int,
+        prompt: list[int],
         tool_plan: ToolPlan | None,
     ) -> AsyncIterator[str]:
         """Content streams as it comes; with tools the answer is parsed, so it is sent whole
         (content or tool calls) when the choice ends."""
         created = int(time.time())
+        sent = dict.fromkeys(gen.choices, 0)  # token ids each choice has sent
 
-        def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
+        def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None, **extra) -> str:
             if usage is None and req.continuous_usage:
-                usage = gen.usage(usage_prompt, req.n)
+                usage = gen.usage(len(prompt), req.n)
+            timings = gen.timings(len(prompt), req.n) if req.timings_per_token else None
             return sse(
                 ChatCompletionChunk(
                     id=rid,
@@ -618,16 +682,21 @@ class OpenAIServer:
                     model=self.served_model_name,
                     choices=choices,
                     usage=usage,
+                    timings=timings,
+                    **extra,
                 )
             )
 
         for index in sorted(gen.choices):
             role = DeltaMessage(role="assistant", content="")
-            yield chunk([ChatStreamChoice(index=index, delta=role)])
+            # vLLM sends the prompt's ids once, in the stream's first chunk.
+            first = req.return_token_ids and index == min(gen.choices)
+            extra = {"prompt_token_ids": prompt} if first else {}
+            yield chunk([ChatStreamChoice(index=index, delta=role)], **extra)
         async for choice, delta in gen.deltas():
             logprobs = self.chat_logprobs(delta.logprobs, req.num_logprobs)
             if not delta.text and delta.finish_reason is None and logprobs is None:
-                continue
+                continue  # its token ids (if any) go with the choice's next chunk
             if delta.finish_reason == "error":
                 yield sse_error(EngineFailedError(engine_error(choice.index, choice.error)))
                 yield "data: [DONE]\n\n"
@@ -637,14 +706,9 @@ class OpenAIServer:
             if tool_plan is not None:
                 if finish_reason is None and logprobs is None:
                     continue  # the answer is sent whole when it ends
-                content = DeltaMessage()
-                if finish_reason is not None:
-                    message, finish_reason = assistant_answer(choice, tool_plan)
-                    calls = [
-                        DeltaToolCall(index=i, id=c.id, function=c.function)
-                        for i, c in enumerate(message.tool_calls)
-                    ]
-                    content = DeltaMessage(content=message.content, tool_calls=calls or None)
+                content, finish_reason = tool_delta(choice, tool_plan)
+            ids = choice.token_ids[sent[choice.index] :]
+            sent[choice.index] += len(ids)
             yield chunk(
                 [
                     ChatStreamChoice(
@@ -653,11 +717,12 @@ class OpenAIServer:
                         logprobs=logprobs,
                         finish_reason=finish_reason,
                         stop_reason=delta.stop_reason,
+                        token_ids=list(ids) if req.return_token_ids else None,
                     )
                 ]
             )
         if req.include_usage:
-            yield chunk([], gen.usage(usage_prompt, req.n))
+            yield chunk([], gen.usage(len(prompt), req.n))
         yield "data: [DONE]\n\n"
 
     def chat_logprobs(
@@ -709,6 +774,28 @@ class OpenAIServer:
             raise RequestError(message, param="tokens")
         return DetokenizeResponse(prompt=tok.decode(req.tokens))
 
+    def tokenizer_info(self) -> TokenizerInfo:
+        """vLLM's /tokenizer_info: the tokenizer's config as this server reads it."""
+        tok = self.tokenizer("tokenizer")
+        config, template = tokenizer_config(self.engine)
+        eos = tok.eos_token_ids
+
+        def text(token_id: int | None) -> str | None:
+            return tok.token_str(token_id) if token_id is not None else None
+
+        return TokenizerInfo(
+            tokenizer_class=config.get("tokenizer_class") or "PreTrainedTokenizerFast",
+            model=self.served_model_name,
+            vocab_size=tok.vocab_size,
+            model_max_length=self.engine.max_model_len,
+            bos_token=text(tok.bos_token_id),
+            bos_token_id=tok.bos_token_id,
+            eos_token=text(eos[0] if eos else None),
+            eos_token_id=eos[0] if eos else None,
+            eos_token_ids=list(eos),
+            chat_template=template,
+        )
+
     def models(self) -> ModelList:
         card = ModelCard(
             id=self.served_model_name,
@@ -719,6 +806,46 @@ class OpenAIServer:
 
 
 # ---- wire helpers ----
+
+
+def kvserve_version() -> str:
+    try:
+        return importlib.metadata.version("kvserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout never installed
+        return "unknown"
+
+
+def tokenizer_config(engine: AsyncEngine) -> tuple[dict, str | None]:
+    """The model folder's tokenizer_config.json ({} if none) and chat template, found where
+    the tokenizer finds it (the config, else chat_template.jinja)."""
+    path = getattr(getattr(getattr(engine, "engine", None), "model_config", None), "path", None)
+    if path is None:
+        return {}, None
+    folder = Path(path)
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text("utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    config = config if isinstance(config, dict) else {}
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: "default" is the chat one
+        template = {t.get("name"): t.get("template") for t in template}.get("default")
+    if template is None and (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text("utf-8")
+    return config, template if isinstance(template, str) else None
+
+
+def token_id_fields(
+    req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int] | None, ids: list[int]
+) -> dict[str, list[int]]:
+    """vLLM's return_token_ids on a completion choice: its prompt's ids (in a stream, the first
+    chunk's only) and its completion's."""
+    if not req.return_token_ids:
+        return {}
+    fields = {"token_ids": list(ids)}
+    if prompt_ids is not None:
+        fields["prompt_token_ids"] = list(prompt_ids)
+    return fields
 
 
 def assistant_answer(
@@ -736,6 +863,18 @@ def assistant_answer(
         return text
     reason = "tool_calls" if calls else choice.finish_reason
     return AssistantMessage(content=content, tool_calls=calls), reason
+
+
+def tool_delta(choice: ChoiceState, tool_plan: ToolPlan) -> tuple[DeltaMessage, str | None]:
+    """A streamed choice's delta under tools: nothing until it ends, then the whole answer."""
+    if choice.finish_reason is None:
+        return DeltaMessage(), None
+    message, finish_reason = assistant_answer(choice, tool_plan)
+    calls = [
+        DeltaToolCall(index=i, id=c.id, function=c.function)
+        for i, c in enumerate(message.tool_calls)
+    ]
+    return DeltaMessage(content=message.content, tool_calls=calls or None), finish_reason
 
 
 def clamp(logprob: float) -> float:
@@ -900,6 +1039,14 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         return await server.chat(body, request)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return json_response(VersionResponse(version=kvserve_version()))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Response:
+        return json_response(await asyncio.to_thread(server.tokenizer_info))
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:

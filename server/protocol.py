@@ -5,15 +5,17 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     StrictInt,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -35,6 +37,12 @@ UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "prediction": ("predicted outputs", ()),
     "web_search_options": ("web search", ()),
     "reasoning_effort": ("", ()),
+    # llama.cpp's prompt-progress chunks: the engine reports a request only once it has a
+    # token, so there is no progress to tell before the first one.
+    "return_progress": (
+        "prompt-processing progress is not reported before the first token",
+        (False,),
+    ),
 }
 # Better words than pydantic's for the fields whose type is a union.
 TYPE_HINTS = {
@@ -241,6 +249,20 @@ class SamplingFields(RequestBody):
     structured_outputs: StructuredOutputs | None = None
     grammar: str | None = Field(None, description="llama.cpp: a GBNF grammar.")
     json_schema: dict[str, Any] | None = Field(None, description="llama.cpp: a JSON schema.")
+    return_token_ids: bool = Field(
+        False, description="vLLM: the prompt's and the completion's token ids in the answer."
+    )
+    truncate_prompt_tokens: StrictInt | None = Field(
+        None,
+        description="vLLM: keep only this many prompt tokens (-1: max_model_len), dropped from "
+        "the side truncation_side names.",
+    )
+    truncation_side: Literal["left", "right"] = Field(
+        "left", description="left: keep the last truncate_prompt_tokens tokens; right: the first."
+    )
+    timings_per_token: bool = Field(
+        False, description="llama.cpp: timings in every streamed chunk."
+    )
     # kvserve extension
     overflow: OverflowOptions | None = Field(
         None, description="Context-overflow policy for this request; default: the server's."
@@ -252,7 +274,30 @@ class SamplingFields(RequestBody):
             raise _field_error("n", f"n must be between 1 and {MAX_N}, got {self.n}.")
         if self.stream_options is not None and not self.stream:
             raise _field_error("stream_options", "stream_options is only allowed with stream.")
+        keep = self.truncate_prompt_tokens
+        if keep is not None and keep < 1 and keep != -1:
+            message = f"truncate_prompt_tokens must be -1 or at least 1, got {keep}."
+            raise _field_error("truncate_prompt_tokens", message)
         return self
+
+    def prompt_budget(self, max_model_len: int) -> int | None:
+        """How many prompt tokens truncate_prompt_tokens keeps (None: all); checked against the
+        model before any prompt is tokenized."""
+        keep = self.truncate_prompt_tokens
+        if keep == -1:
+            return max_model_len
+        if keep is not None and keep > max_model_len:
+            message = (
+                f"truncate_prompt_tokens ({keep}) is greater than max_model_len "
+                f"({max_model_len}); give at most max_model_len, or -1."
+            )
+            raise RequestError(message, param="truncate_prompt_tokens")
+        return keep
+
+    def truncate(self, ids: list[int], keep: int | None) -> list[int]:
+        if keep is None or len(ids) <= keep:
+            return ids
+        return ids[-keep:] if self.truncation_side == "left" else ids[:keep]
 
     @property
     def include_usage(self) -> bool:
@@ -544,6 +589,58 @@ class DetokenizeRequest(RequestBody):
 # ---- responses ----
 
 
+class ResponseBody(BaseModel):
+    """A response whose extension fields (vLLM's, llama.cpp's) are left out, not null, when
+    the request did not ask for them: an OpenAI answer stays OpenAI's shape."""
+
+    _omit_if_none: ClassVar[tuple[str, ...]] = ("prompt_token_ids", "token_ids", "timings")
+
+    @model_serializer(mode="wrap")
+    def _omit(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for name in self._omit_if_none:
+            if data.get(name, 0) is None:
+                del data[name]
+        return data
+
+
+class Timings(BaseModel):
+    """llama.cpp's timings, as this server sees them: prompt_ms runs from admission to the
+    first token (queueing included), predicted_ms from there to the last token."""
+
+    cache_n: int  # prompt tokens whose KV came from the prefix cache
+    prompt_n: int  # prompt tokens computed
+    prompt_ms: float
+    prompt_per_token_ms: float
+    prompt_per_second: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_token_ms: float
+    predicted_per_second: float
+
+    @classmethod
+    def of(
+        cls, cache_n: int, prompt_n: int, prompt_ms: float, predicted_n: int, predicted_ms: float
+    ) -> Timings:
+        def per_token(ms: float, n: int) -> float:
+            return ms / n if n else 0.0
+
+        def per_second(ms: float, n: int) -> float:
+            return 1000.0 * n / ms if ms > 0 else 0.0
+
+        return cls(
+            cache_n=cache_n,
+            prompt_n=prompt_n,
+            prompt_ms=prompt_ms,
+            prompt_per_token_ms=per_token(prompt_ms, prompt_n),
+            prompt_per_second=per_second(prompt_ms, prompt_n),
+            predicted_n=predicted_n,
+            predicted_ms=predicted_ms,
+            predicted_per_token_ms=per_token(predicted_ms, predicted_n),
+            predicted_per_second=per_second(predicted_ms, predicted_n),
+        )
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
@@ -584,16 +681,18 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(ResponseBody):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids
+    token_ids: list[int] | None = None
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(ResponseBody):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -601,6 +700,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    timings: Timings | None = None
 
 
 class TopLogprob(BaseModel):
@@ -623,15 +723,16 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(ResponseBody):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(ResponseBody):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -640,6 +741,8 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids
+    timings: Timings | None = None
 
 
 class DeltaToolCall(ToolCall):
@@ -652,15 +755,16 @@ class DeltaMessage(BaseModel):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(ResponseBody):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: this chunk's
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(ResponseBody):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -668,6 +772,27 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # in the first chunk
+    timings: Timings | None = None  # llama.cpp's timings_per_token
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class TokenizerInfo(BaseModel):
+    """vLLM's /tokenizer_info, the fields this server knows."""
+
+    tokenizer_class: str
+    model: str
+    vocab_size: int
+    model_max_length: int
+    bos_token: str | None = None
+    bos_token_id: int | None = None
+    eos_token: str | None = None
+    eos_token_id: int | None = None
+    eos_token_ids: list[int] = Field(default_factory=list)
+    chat_template: str | None = None
 
 
 class ModelCard(BaseModel):

@@ -4,12 +4,21 @@ constrained requests get the matcher's token mask, and each sampled token advanc
 
 llguidance releases the GIL while it fills masks, so they are filled in a worker thread while
 the step's forward pass runs. Requests without a constraint never touch this module.
+
+A constraint is compiled once, at admission, in a compile thread and under a time limit (a
+schema can take seconds); the engine thread copies that compiled matcher for each request
+rather than compiling it again, which would stall every stream for as long.
 """
 
 from __future__ import annotations
 
 import functools
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from pathlib import Path
 
 import llguidance
@@ -22,6 +31,26 @@ from engine.core.sampling_params import Constraint
 
 # Our constraint kinds as llguidance's grammar formats.
 FORMATS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+# Compiled constraints kept for reuse, newest last. Bounded twice: by count, and by the size of
+# their source text, since a compiled grammar costs memory in proportion to it (measured: a
+# 300 KiB schema compiles to ~21 MiB, a one-property one to ~64 KiB), so a run of distinct
+# schemas never grows memory without bound. 64 covers every request between its admission and
+# the engine thread's first step (the hand-off this cache is for) with room for repeats.
+CACHE_SIZE = 64
+CACHE_TEXT_BYTES = 8 << 20
+# Threads that compile constraints for admission: llguidance drops the GIL while it compiles, so
+# this many cores at most go to compiling, however many slow schemas arrive at once.
+COMPILE_THREADS = 2
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """One constraint's compilation: a matcher in its start state to copy, or the error."""
+
+    matcher: llguidance.LLMatcher | None
+    error: str
+    seconds: float  # how long it took, so a cached slow one is refused like a fresh one
 
 
 class Grammars:
@@ -36,6 +65,12 @@ class Grammars:
         # go on generating, unconstrained.
         self.ended: set[str] = set()
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="kvserve-grammar")
+        # Admission (HTTP worker threads) and the engine thread share these.
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str], Compiled] = OrderedDict()
+        self._cache_bytes = 0
+        self._pending: dict[tuple[str, str], Future] = {}  # one compile per key at a time
+        self._compiler = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="kvserve-compile")
 
     @functools.cached_property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -47,22 +82,87 @@ class Grammars:
     def executor(self) -> llguidance.LLExecutor:
         return llguidance.LLExecutor(num_threads=1)
 
-    @functools.lru_cache(maxsize=256)  # noqa: B019 - one Grammars per engine, kept for its life
-    def grammar(self, constraint: Constraint) -> str:
-        """llguidance's grammar for ``constraint``; raises RequestError with its message."""
+    def grammar(self, constraint: Constraint, limit_s: float | None = None) -> llguidance.LLMatcher:
+        """``constraint`` compiled (a matcher in its start state, not to be advanced); raises
+        RequestError with llguidance's message if it is invalid, or with code
+        ``grammar_too_complex`` if compiling it takes over ``limit_s`` seconds. Blocks the
+        calling thread meanwhile, not the GIL."""
+        key = (constraint.kind, constraint.value)
+        with self._lock:
+            done = self._cached(key)
+            future = None
+            if done is None:
+                future = self._pending.get(key)
+                if future is None:
+                    future = self._compiler.submit(self._compile, key)
+                    self._pending[key] = future
+        if future is not None:
+            try:
+                done = future.result(timeout=limit_s)
+            except (FutureTimeout, CancelledError):
+                # Still queued: drop it. Already running: llguidance cannot be interrupted, and
+                # its own size limits end it; what it compiles is cached and refused below.
+                if future.cancel():
+                    with self._lock:
+                        self._pending.pop(key, None)
+                raise self._too_complex(constraint, limit_s) from None
+        if limit_s is not None and done.seconds > limit_s:
+            raise self._too_complex(constraint, limit_s)
+        if done.matcher is None:
+            raise RequestError(f"Invalid {constraint.kind}: {done.error}", param=constraint.param)
+        return done.matcher
+
+    @staticmethod
+    def _too_complex(constraint: Constraint, limit_s: float | None) -> RequestError:
+        message = (
+            f"The {constraint.kind} did not compile within {limit_s:g} s (the server's "
+            "--max-grammar-compile-s); simplify it, e.g. fewer alternatives or properties."
+        )
+        return RequestError(message, param=constraint.param, code="grammar_too_complex")
+
+    def _cached(self, key: tuple[str, str]) -> Compiled | None:
+        """Under the lock: the compiled entry, now the newest, or None."""
+        done = self._cache.get(key)
+        if done is not None:
+            self._cache.move_to_end(key)
+        return done
+
+    def _compile(self, key: tuple[str, str]) -> Compiled:
+        start = time.perf_counter()
+        kind, value = key
         try:
-            grammar = llguidance.grammar_from(FORMATS[constraint.kind], constraint.value)
+            grammar = llguidance.grammar_from(FORMATS[kind], value)
         except ValueError as e:
-            raise RequestError(f"Invalid {constraint.kind}: {e}", param=constraint.param) from e
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if error:
-            raise RequestError(f"Invalid {constraint.kind}: {error}", param=constraint.param)
-        return grammar
+            done = Compiled(None, str(e), time.perf_counter() - start)
+        else:
+            # Drops the GIL while it compiles; errors leave it in an error state.
+            m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+            error = m.get_error() if m.is_error() else ""
+            done = Compiled(None if error else m, error, time.perf_counter() - start)
+        with self._lock:
+            self._pending.pop(key, None)
+            if key not in self._cache:
+                self._cache[key] = done
+                self._cache_bytes += len(value)
+            while len(self._cache) > 1 and (
+                len(self._cache) > CACHE_SIZE or self._cache_bytes > CACHE_TEXT_BYTES
+            ):
+                (_, old_value), _ = self._cache.popitem(last=False)
+                self._cache_bytes -= len(old_value)
+        return done
 
     def matcher(self, request_id: str, constraint: Constraint) -> llguidance.LLMatcher:
         m = self.matchers.get(request_id)
         if m is None:
-            m = llguidance.LLMatcher(self.tokenizer, self.grammar(constraint), log_level=0)
+            # A copy of the compiled start state: admission compiled it, so this costs
+            # microseconds on the engine thread. Compiles here only if it left the cache since.
+            with self._lock:
+                done = self._cached((constraint.kind, constraint.value))
+            if done is None:
+                done = self._compile((constraint.kind, constraint.value))
+            if done.matcher is None:
+                raise RequestError(f"Invalid {constraint.kind}: {done.error}", constraint.param)
+            m = done.matcher.deep_copy()
             self.matchers[request_id] = m
         return m
 
