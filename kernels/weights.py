@@ -9,6 +9,7 @@ a pre-norm decoder layer (Llama, Qwen2, Gemma 3); a model without a slot leaves 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 
 import torch
@@ -46,7 +47,11 @@ class DecoderLayerWeights:
 
     def named_tensors(self) -> dict[str, torch.Tensor | None]:
         """Every tensor by its name, a matrix's as ``name`` and ``name_bias``: what the C++
-        layer binds by name."""
+        layer binds by name. Built once: the fused layers read it at every step."""
+        return self._named
+
+    @functools.cached_property
+    def _named(self) -> dict[str, torch.Tensor | None]:
         out: dict[str, torch.Tensor | None] = {}
         for f in fields(self):
             value = getattr(self, f.name)

@@ -95,6 +95,9 @@ class Tokenizer:
             if (text := _token_text(tokenizer_config.get(name))) is not None
         }
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.tokenizer_class: str = tokenizer_config.get("tokenizer_class") or (
+            "PreTrainedTokenizerFast"  # what transformers loads a bare tokenizer.json as
+        )
         self.bos_token_id = bos_token_id
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_token_ids))
         self._chat_template = chat_template
@@ -137,6 +140,10 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return bool(self._chat_template)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
 
     @property
     def template_takes_tools(self) -> bool:

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
-import json
 import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
@@ -777,14 +775,13 @@ class OpenAIServer:
     def tokenizer_info(self) -> TokenizerInfo:
         """vLLM's /tokenizer_info: the tokenizer's config as this server reads it."""
         tok = self.tokenizer("tokenizer")
-        config, template = tokenizer_config(self.engine)
         eos = tok.eos_token_ids
 
         def text(token_id: int | None) -> str | None:
             return tok.token_str(token_id) if token_id is not None else None
 
         return TokenizerInfo(
-            tokenizer_class=config.get("tokenizer_class") or "PreTrainedTokenizerFast",
+            tokenizer_class=tok.tokenizer_class,
             model=self.served_model_name,
             vocab_size=tok.vocab_size,
             model_max_length=self.engine.max_model_len,
@@ -793,7 +790,7 @@ class OpenAIServer:
             eos_token=text(eos[0] if eos else None),
             eos_token_id=eos[0] if eos else None,
             eos_token_ids=list(eos),
-            chat_template=template,
+            chat_template=tok.chat_template,
         )
 
     def models(self) -> ModelList:
@@ -813,26 +810,6 @@ def kvserve_version() -> str:
         return importlib.metadata.version("kvserve")
     except importlib.metadata.PackageNotFoundError:  # run from a checkout never installed
         return "unknown"
-
-
-def tokenizer_config(engine: AsyncEngine) -> tuple[dict, str | None]:
-    """The model folder's tokenizer_config.json ({} if none) and chat template, found where
-    the tokenizer finds it (the config, else chat_template.jinja)."""
-    path = getattr(getattr(getattr(engine, "engine", None), "model_config", None), "path", None)
-    if path is None:
-        return {}, None
-    folder = Path(path)
-    try:
-        config = json.loads((folder / "tokenizer_config.json").read_text("utf-8"))
-    except (OSError, ValueError):
-        config = {}
-    config = config if isinstance(config, dict) else {}
-    template = config.get("chat_template")
-    if isinstance(template, list):  # named templates: "default" is the chat one
-        template = {t.get("name"): t.get("template") for t in template}.get("default")
-    if template is None and (folder / "chat_template.jinja").is_file():
-        template = (folder / "chat_template.jinja").read_text("utf-8")
-    return config, template if isinstance(template, str) else None
 
 
 def token_id_fields(
