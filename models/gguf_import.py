@@ -2,23 +2,27 @@
 
 The folder holds float32 `model.safetensors` with transformers' tensor names, a `config.json` with
 the keys transformers writes for the architecture, `generation_config.json`, and a `tokenizer.json`
-rebuilt from the GGUF vocabulary with `tokenizers`. Supported: `llama` (SmolLM2) and `gemma3`.
+rebuilt from the GGUF vocabulary with `tokenizers`. Supported: `llama` (SmolLM2), `qwen2` and
+`gemma3`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.numpy import save_file
 from tokenizers import (
     AddedToken,
+    Regex,
     Tokenizer,
     decoders,
     models,
@@ -27,6 +31,10 @@ from tokenizers import (
     processors,
 )
 from tqdm import tqdm
+
+from kernels.weights import FORMATS, Weight
+
+log = logging.getLogger(__name__)
 
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_CONTROL = 3
@@ -184,6 +192,34 @@ def _llama_fix(name: str, w: np.ndarray, config: dict[str, Any]) -> np.ndarray:
     return w
 
 
+def _qwen2_config(meta: Metadata, tied: bool) -> dict[str, Any]:
+    config = _common_config(meta, tied)
+    tokens = meta.get("tokenizer.ggml.tokens")
+    eos = [config["eos_token_id"]]
+    # The instruct models end a turn with <|im_end|> and a document with <|endoftext|>.
+    if "<|endoftext|>" in tokens and tokens.index("<|endoftext|>") not in eos:
+        eos.append(tokens.index("<|endoftext|>"))
+    return {
+        **config,
+        "architectures": ["Qwen2ForCausalLM"],
+        "eos_token_id": eos,
+        "hidden_act": "silu",
+        "max_window_layers": config["num_hidden_layers"],
+        "model_type": "qwen2",
+        "rope_parameters": {
+            "rope_theta": _f32(meta.arch_get("rope.freq_base", 1_000_000.0)),
+            "rope_type": "default",
+        },
+        "sliding_window": None,
+        "use_sliding_window": False,
+    }
+
+
+def _no_fix(name: str, w: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+    # llama.cpp stores Qwen2 with the rotary halves as transformers has them (rope type NEOX).
+    return w
+
+
 # Gemma 3 keeps its attention layout out of the file: five sliding-window layers, then a global one,
 # with separate rope bases for each kind.
 _GEMMA3_GLOBAL_EVERY = 6
@@ -241,6 +277,15 @@ _ARCHS: dict[str, _Arch] = {
         },
         fix_tensor=_llama_fix,
     ),
+    "qwen2": _Arch(
+        config=_qwen2_config,
+        layer_tensors={
+            **_ATTN_MLP,
+            "attn_norm": "input_layernorm",
+            "ffn_norm": "post_attention_layernorm",
+        },
+        fix_tensor=_no_fix,
+    ),
     "gemma3": _Arch(
         config=_gemma3_config,
         layer_tensors={
@@ -268,11 +313,20 @@ def _hf_tensor_name(gguf_name: str, layer_tensors: Mapping[str, str]) -> str:
     raise ValueError(f"no Hugging Face name for GGUF tensor {gguf_name!r}")
 
 
+# Byte-level families that split text with their own regex before the merges apply: llama.cpp's
+# name for it (tokenizer.ggml.pre) -> the pattern of the family's tokenizer.json.
+_PRE_SPLIT = {
+    "qwen2": (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+        r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ),
+}
+
+
 def _byte_level_tokenizer(meta: Metadata) -> Tokenizer:
     tokens: list[str] = meta.get("tokenizer.ggml.tokens")
     pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in ("default", "gpt2", "smollm"):
-        # Other byte-level families split text with their own regex before the merges apply.
+    if pre not in ("default", "gpt2", "smollm", *_PRE_SPLIT):
         raise ValueError(f"unsupported GGUF byte-level pre-tokenizer {pre!r}")
     # Every byte-level token is spelled in the byte alphabet; one that is not gets respelled.
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())
@@ -283,7 +337,14 @@ def _byte_level_tokenizer(meta: Metadata) -> Tokenizer:
     }
     merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges")]
     tok = Tokenizer(models.BPE(vocab, merges, continuing_subword_prefix="", end_of_word_suffix=""))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if pre in _PRE_SPLIT:
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_PRE_SPLIT[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])  # fmt: skip
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     # A control token outside the byte alphabet is a llama.cpp mislabel, not a real token.
     _add_gguf_tokens(tok, meta, keep=lambda t: set(t) <= alphabet)
@@ -417,6 +478,32 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", "utf-8")
 
 
+def _open(gguf_path: str | Path) -> tuple[GGUFReader, Metadata, _Arch]:
+    reader = GGUFReader(str(gguf_path))
+    meta = Metadata(reader)
+    arch = _ARCHS.get(meta.arch)
+    if arch is None:
+        supported = ", ".join(sorted(_ARCHS))
+        raise ValueError(f"unsupported GGUF architecture {meta.arch!r}; supported: {supported}")
+    return reader, meta, arch
+
+
+def _write_folder(
+    gguf_path: str | Path, out_dir: str | Path, extras: Mapping[str, Any] | None
+) -> tuple[GGUFReader, _Arch, dict[str, Any], Path]:
+    """The folder's JSON files and tokenizer; returns what writing the weights needs."""
+    reader, meta, arch = _open(gguf_path)
+    tied = all(t.name != "output.weight" for t in reader.tensors)
+    config = {**arch.config(meta, tied), **(extras or {})}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(meta).save(str(out / "tokenizer.json"))
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(meta, arch, config))
+    _write_json(out / "generation_config.json", _generation_config(config))
+    _write_json(out / "config.json", config)
+    return reader, arch, config, out
+
+
 def convert_gguf(
     gguf_path: str | Path,
     out_dir: str | Path,
@@ -428,17 +515,7 @@ def convert_gguf(
     `extras` are config.json keys the file cannot express for this particular model; they are
     applied over what the file and the architecture defaults give.
     """
-    reader = GGUFReader(str(gguf_path))
-    meta = Metadata(reader)
-    arch = _ARCHS.get(meta.arch)
-    if arch is None:
-        supported = ", ".join(sorted(_ARCHS))
-        raise ValueError(f"unsupported GGUF architecture {meta.arch!r}; supported: {supported}")
-    tied = all(t.name != "output.weight" for t in reader.tensors)
-    config = {**arch.config(meta, tied), **(extras or {})}
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    reader, arch, config, out = _write_folder(gguf_path, out_dir, extras)
     tensors: dict[str, np.ndarray] = {}
     for t in tqdm(reader.tensors, desc="Converting tensors", unit="tensor", disable=not progress):
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
@@ -449,10 +526,42 @@ def convert_gguf(
     # safetensors leaves its file private (0600); a cache shared with a server running as another
     # user needs it readable like the JSON files beside it.
     weights.chmod(0o644)
-    del tensors
-
-    build_tokenizer(meta).save(str(out / "tokenizer.json"))
-    _write_json(out / "tokenizer_config.json", _tokenizer_config(meta, arch, config))
-    _write_json(out / "generation_config.json", _generation_config(config))
-    _write_json(out / "config.json", config)
     return out
+
+
+def describe_gguf(
+    gguf_path: str | Path, out_dir: str | Path, extras: Mapping[str, Any] | None = None
+) -> Path:
+    """Write the folder a GGUF file is served from, without converting its weights: the JSON
+    files and tokenizer of ``convert_gguf`` and ``GGUF_LINK``, a link to the file, whose tensors
+    the loader reads in their stored formats (``read_gguf_tensors``)."""
+    _, _, _, out = _write_folder(gguf_path, out_dir, extras)
+    link = out / GGUF_LINK
+    link.unlink(missing_ok=True)
+    link.symlink_to(Path(gguf_path).resolve())
+    return out
+
+
+GGUF_LINK = "model.gguf"
+
+
+def read_gguf_tensors(gguf_path: str | Path, config: Mapping[str, Any]):
+    """(transformers name, tensor) for every tensor of the file: a ``Weight`` in its block
+    format where kernels compute on that format, else a float32 tensor (norms, biases, F16 and
+    formats without a kernel, dequantized here with a log line saying so)."""
+    reader, _, arch = _open(gguf_path)
+    unconverted: dict[str, int] = {}
+    for t in reader.tensors:
+        name = _hf_tensor_name(t.name, arch.layer_tensors)
+        fmt = t.tensor_type.name.lower()
+        if fmt in FORMATS and fmt != "dense":
+            data = arch.fix_tensor(t.name, np.array(t.data), config)
+            yield name, Weight(torch.from_numpy(np.ascontiguousarray(data)), None, fmt)
+            continue
+        if t.tensor_type.name not in ("F32", "F16", "BF16"):
+            unconverted[t.tensor_type.name] = unconverted.get(t.tensor_type.name, 0) + 1
+        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # off the file's map
+        yield name, torch.from_numpy(np.ascontiguousarray(arch.fix_tensor(t.name, w, config)))
+    for kind, count in sorted(unconverted.items()):
+        log.info("%d %s tensors of %s dequantized to float32 at load: no kernel computes on %s",
+                 count, kind, Path(gguf_path).name, kind)  # fmt: skip

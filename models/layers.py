@@ -103,7 +103,8 @@ class DecoderLayer(nn.Module):
             return None if m is None else m.weight
 
         def linear(m):
-            return Weight(m.weight, m.bias)
+            parts = getattr(m, "parts", None)  # a QuantLinear's, or a swapped one's
+            return parts if parts is not None else (Weight(m.weight, m.bias),)
 
         return DecoderLayerWeights(
             norm1.weight, linear(a.qkv_proj), linear(a.o_proj), norm2.weight,

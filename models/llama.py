@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window)."""
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window, Qwen2)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,17 @@ from models.layers import (
 from models.loader import load_by_name
 
 
+def attention_biases(cfg: ModelConfig) -> tuple[bool, bool]:
+    """Whether q, k, v and o have biases: Qwen2's q, k and v do and its o does not; Llama's
+    ``attention_bias`` sets all four."""
+    if cfg.architecture == "Qwen2ForCausalLM":
+        if cfg.get("use_sliding_window", False):
+            raise ValueError("Qwen2 with use_sliding_window is not supported")
+        return True, False
+    bias = cfg.get("attention_bias", False)
+    return bias, bias
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -33,11 +44,11 @@ class LlamaAttention(nn.Module):
             cfg.num_kv_heads,
             cfg.head_dim,
         )
-        bias = cfg.get("attention_bias", False)
+        qkv_bias, o_bias = attention_biases(cfg)
         h, d = cfg.hidden_size, self.head_dim
         self.qkv_sizes = (self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d)
-        self.qkv_proj = PackedLinear(h, self.qkv_sizes, bias=bias)  # the checkpoint's q, k, v
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.qkv_proj = PackedLinear(h, self.qkv_sizes, bias=qkv_bias)  # the checkpoint's q, k, v
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=o_bias)
         self.scale = d**-0.5
 
     def project(self, x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

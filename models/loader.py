@@ -1,14 +1,21 @@
-"""Architecture registry and safetensors loading of Hugging Face checkpoint folders."""
+"""Architecture registry and loading of checkpoint folders: safetensors, or the GGUF file a
+folder links to (``models.gguf_import.describe_gguf``), whose matrices stay in their block
+formats: every linear layer (and embedding) whose checkpoint matrices come as block-format
+``Weight``s becomes a ``kernels.quant.QuantLinear`` (``QuantEmbedding``) over them."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from kernels.quant import QuantEmbedding, QuantLinear
+from kernels.weights import Weight
 from models.config import ModelConfig
 from models.interface import CausalLM
 from models.tensor_parallel import NO_TP, TPRank, all_reduce_row_outputs, shard_weights
@@ -16,6 +23,7 @@ from models.tensor_parallel import NO_TP, TPRank, all_reduce_row_outputs, shard_
 ARCHITECTURES = {
     "LlamaForCausalLM": "models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "models.llama:LlamaForCausalLM",
     "Gemma3ForCausalLM": "models.gemma3:Gemma3ForCausalLM",
     "DeepseekV3ForCausalLM": "models.deepseek_v3:DeepseekV3ForCausalLM",
 }
@@ -40,23 +48,119 @@ def iter_safetensors(path: Path):
                 yield name, f.get_tensor(name)
 
 
+def iter_checkpoint(cfg: ModelConfig):
+    """(name, tensor or block-format ``Weight``) of the folder's checkpoint."""
+    from models.gguf_import import GGUF_LINK, read_gguf_tensors
+
+    if (cfg.path / GGUF_LINK).exists():
+        return read_gguf_tensors(cfg.path / GGUF_LINK, cfg.hf)
+    return iter_safetensors(cfg.path)
+
+
+@contextlib.contextmanager
+def _uninitialized():
+    """Linear and embedding weights left as allocated: the checkpoint overwrites or replaces
+    every one, and filling gigabytes of floats with random values first costs seconds (and
+    makes the pages of matrices about to be replaced by quantized ones resident)."""
+    saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
+    try:
+        for cls in saved:
+            cls.reset_parameters = lambda self: None
+        yield
+    finally:
+        for cls, reset in saved.items():
+            cls.reset_parameters = reset
+
+
 def load_model(
     cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPRank = NO_TP
 ) -> CausalLM:
     """Build the model for ``cfg`` (a rank's share: ``shard_config``) and fill it from the
-    folder's safetensors files."""
+    folder's checkpoint."""
     cls = model_class(cfg)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), _uninitialized():
             model = cls(cfg)
     finally:
         torch.set_default_dtype(previous)
-    model.load_weights(shard_weights(iter_safetensors(cfg.path), tp))
+    tensors = shard_weights(iter_checkpoint(cfg), tp)
+    model.load_weights(place_quantized(model, tensors, device))
     if tp.size > 1:
         all_reduce_row_outputs(model)
     return model.eval()
+
+
+def _module_of(model: nn.Module, name: str) -> tuple[str, int] | None:
+    """The linear or embedding module a checkpoint matrix fills and its part there."""
+    piece = packed_piece(model, name)
+    if piece is not None:
+        param, (rows,) = piece
+        module = param.rpartition(".")[0]
+        packed = model.get_submodule(module)
+        return module, next(i for i in range(len(packed.out_sizes)) if packed.part(i) == rows)
+    module = name.rpartition(".")[0]
+    try:
+        found = model.get_submodule(module)
+    except AttributeError:
+        return None
+    return (module, 0) if isinstance(found, (nn.Linear, nn.Embedding)) else None
+
+
+def _parts(weights: dict[int, Weight], biases: dict[int, torch.Tensor]) -> tuple[Weight, ...]:
+    """A module's pieces in order, adjacent pieces of one format joined into one part."""
+    parts: list[Weight] = []
+    for i in sorted(weights):
+        w = Weight(weights[i].data, biases.get(i), weights[i].format)
+        if parts and parts[-1].format == w.format and (parts[-1].bias is None) == (w.bias is None):
+            last = parts[-1]
+            bias = None if w.bias is None else torch.cat([last.bias, w.bias])
+            w = Weight(torch.cat([last.data, w.data]), bias, w.format)
+            parts[-1] = w
+        else:
+            parts.append(w)
+    return tuple(parts)
+
+
+def place_quantized(model: nn.Module, tensors: Iterable, device: torch.device) -> list:
+    """Swap each module that a block-format ``Weight`` fills for its quantized counterpart
+    (its dense pieces and biases become parts of it); returns the tensors left for
+    ``load_weights``. A tied LM head follows a quantized embedding."""
+    tensors = list(tensors)
+    quantized = {}
+    for name, t in tensors:
+        if isinstance(t, Weight) and t.format != "dense":
+            where = _module_of(model, name)
+            if where is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            quantized[where[0]] = {}
+    rest, pieces = [], {m: ({}, {}) for m in quantized}
+    for name, t in tensors:
+        where = _module_of(model, name)
+        if where is None or where[0] not in quantized:
+            rest.append((name, t))
+            continue
+        weights, biases = pieces[where[0]]
+        if name.endswith(".bias"):
+            biases[where[1]] = t.to(device)
+        else:
+            data = t if isinstance(t, Weight) else Weight(t)
+            weights[where[1]] = Weight(data.data.to(device), None, data.format)
+    for module, (weights, biases) in pieces.items():
+        parent, _, child = module.rpartition(".")
+        if isinstance(model.get_submodule(module), nn.Embedding):
+            (weight,) = weights.values()
+            replacement = QuantEmbedding(weight, model.get_submodule(module).weight.dtype)
+        else:
+            replacement = QuantLinear(_parts(weights, biases))
+        setattr(model.get_submodule(parent) if parent else model, child, replacement)
+    embed = model.get_submodule("model.embed_tokens") if hasattr(model, "model") else None
+    head = getattr(model, "lm_head", None)
+    if isinstance(embed, QuantEmbedding) and isinstance(head, nn.Linear):
+        if model.config.get("tie_word_embeddings", False):
+            model.lm_head = QuantLinear((embed.stored,))
+    return rest
 
 
 def packed_piece(model: nn.Module, name: str) -> tuple[str, tuple] | None:

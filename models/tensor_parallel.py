@@ -32,9 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kernels.weights import FORMATS, Weight
 from models.config import ModelConfig
 
-GQA = ("LlamaForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM")
+GQA = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Gemma3ForCausalLM")
 MLA = ("DeepseekV3ForCausalLM",)
 SUPPORTED = GQA + MLA
 # Output features split (every one lays its heads or columns out contiguously); checkpoint names.
@@ -102,11 +103,33 @@ def shard_config(cfg: ModelConfig, tp: TPRank) -> ModelConfig:
     return ModelConfig(cfg.path, MappingProxyType(hf))
 
 
+def _shard_blocks(name: str, w: Weight, tp: TPRank) -> Weight:
+    """A block-format matrix's share: output rows split anywhere, input features only on block
+    boundaries (a block's values share its scales)."""
+    module = name.split(".")[-2]
+    if module in COLUMN:
+        return Weight(w.data.chunk(tp.size, dim=0)[tp.rank].contiguous(), w.bias, w.format)
+    block = FORMATS[w.format].block
+    if w.in_features % (block * tp.size):
+        fits = [n for n in range(1, w.in_features // block + 1) if w.in_features % (block * n) == 0]
+        raise ValueError(
+            f"{name} is {w.format} with {w.in_features} inputs in blocks of {block}: they do not "
+            f"split over {tp.size} ranks; --tensor-parallel-size can be "
+            f"{', '.join(map(str, fits[:8]))} for this model"
+        )
+    return Weight(w.data.chunk(tp.size, dim=1)[tp.rank].contiguous(), w.bias, w.format)
+
+
 def shard_weights(weights, tp: TPRank):
     """The checkpoint's tensors as rank ``tp.rank`` holds them."""
     for name, tensor in weights:
         parts = name.split(".")
         module = parts[-2] if len(parts) > 1 else ""
+        if isinstance(tensor, Weight):
+            if tp.size > 1 and module in COLUMN + ROW:
+                tensor = _shard_blocks(name, tensor, tp)
+            yield name, tensor
+            continue
         if tp.size > 1 and module in COLUMN:
             tensor = tensor.chunk(tp.size, dim=0)[tp.rank]
         elif tp.size > 1 and module in ROW:

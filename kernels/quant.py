@@ -1,0 +1,109 @@
+"""Matrices stored in GGUF block formats, as torch modules, and the plain reference of them.
+
+``QuantLinear`` is a linear layer whose weight stays in its block format (``kernels.weights``):
+one or more parts stacked by output rows, each with its own format and bias. Its own forward is
+the reference: dequantize with gguf-py (llama.cpp's Python package, an implementation independent
+of ours) and multiply in torch. A backend swaps it for its kernels when it fits the model to
+them (``AttentionBackend.prepare``). ``QuantEmbedding`` dequantizes only the rows looked up.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+from torch import nn
+
+from kernels.weights import FORMATS, Parts, Weight
+
+
+def ggml_type(fmt: str) -> GGMLQuantizationType:
+    return GGMLQuantizationType[fmt.upper()]
+
+
+def dequantize(w: Weight) -> torch.Tensor:
+    """The float32 [out, in] matrix of a stored weight (the reference)."""
+    if w.format == "dense":
+        return w.data.float()
+    rows = gguf_dequantize(w.data.cpu().numpy(), ggml_type(w.format))
+    return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)).to(w.data.device)
+
+
+def quantize(matrix: torch.Tensor, fmt: str) -> torch.Tensor:
+    """A float [out, in] matrix in a block format (gguf-py's quantizer): uint8 [out, bytes]."""
+    if fmt not in FORMATS or fmt == "dense":
+        raise ValueError(f"cannot quantize to {fmt!r}")
+    blocks = gguf_quantize(matrix.detach().float().cpu().numpy(), ggml_type(fmt))
+    return torch.from_numpy(np.ascontiguousarray(blocks)).to(matrix.device)
+
+
+def stored_bytes(w: Weight) -> int:
+    """Bytes the weight takes in memory (its bias included)."""
+    size = w.data.numel() * w.data.element_size()
+    return size + (0 if w.bias is None else w.bias.numel() * w.bias.element_size())
+
+
+class QuantLinear(nn.Module):
+    """``F.linear`` with a weight stored in parts (``kernels.weights.Parts``).
+
+    The parts' data are buffers (a state dict holds them; ``.to()`` moves them); the biases are
+    buffers too, since nothing here trains."""
+
+    def __init__(self, parts: Parts):
+        super().__init__()
+        if not parts or len({p.in_features for p in parts}) != 1:
+            raise ValueError("a QuantLinear's parts must share their input size")
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.formats = tuple(p.format for p in parts)
+        for i, p in enumerate(parts):
+            self.register_buffer(f"data{i}", p.data)
+            self.register_buffer(f"bias{i}", p.bias)
+
+    @property
+    def parts(self) -> Parts:
+        return tuple(
+            Weight(getattr(self, f"data{i}"), getattr(self, f"bias{i}"), fmt)
+            for i, fmt in enumerate(self.formats)
+        )
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        biases = [p.bias for p in self.parts]
+        if all(b is None for b in biases):
+            return None
+        return torch.cat([
+            b if b is not None else torch.zeros(p.out_features, device=p.data.device)
+            for b, p in zip(biases, self.parts)
+        ])  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = torch.cat([dequantize(p) for p in self.parts]).to(x.dtype)
+        bias = self.bias
+        return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, " + (
+            f"formats={'+'.join(self.formats)}"
+        )
+
+
+class QuantEmbedding(nn.Module):
+    """``nn.Embedding`` over a weight in a block format: the looked-up rows are dequantized."""
+
+    def __init__(self, weight: Weight, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.format, self.dtype = weight.format, dtype
+        self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
+        self.register_buffer("data", weight.data)
+
+    @property
+    def stored(self) -> Weight:
+        return Weight(self.data, None, self.format)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = Weight(self.data[ids.reshape(-1)], None, self.format)
+        return dequantize(rows).to(self.dtype).reshape(*ids.shape, self.embedding_dim)
