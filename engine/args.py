@@ -18,6 +18,7 @@ from engine.core.context_overflow import CONTEXT_POLICIES, DEFAULT_POLICY, Conte
 from engine.core.preemption import PREEMPTION_MODES
 from engine.worker.config import RunnerConfig, resolve_device
 from kernels.backend import backend_names, default_backend
+from kernels.weights import QUANTIZABLE
 from models.config import ModelConfig
 from models.fetch import resolve_model
 from models.kv_spec import DTYPES
@@ -77,6 +78,13 @@ class EngineArgs:
     max_num_batched_tokens: int = setting(2048, "tokens per engine step")
     attention_backend: str | None = setting(
         None, "attention kernels", choices=backend_names(), when_none="by device"
+    )
+    quantization: str | None = setting(
+        None,
+        "store a float checkpoint's linear layers in a GGUF block format at load (q8_0 keeps "
+        "nearly all of the quality at a quarter of float32's bytes); a GGUF file keeps its own",
+        choices=QUANTIZABLE,
+        when_none="as stored",
     )
     cpu_kernels: bool = setting(
         True,
@@ -188,6 +196,7 @@ class EngineArgs:
             self.seed,
             self.tensor_parallel_size,
             eos_token_ids,
+            self.quantization,
         )
 
 

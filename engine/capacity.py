@@ -10,7 +10,7 @@ from engine.core.config import GIB, CacheConfig, split_memory
 from models.config import ModelConfig
 from models.fetch import resolve_model
 from models.kv_spec import MLASpec
-from models.loader import model_class
+from models.loader import model_class, stored_weight_bytes
 from models.tensor_parallel import TPRank, shard_config
 
 
@@ -64,6 +64,7 @@ class Plan:
     max_model_len: int
     cache: CacheConfig
     tensor_parallel_size: int = 1  # memory and cache are one rank's
+    weight_bytes: int = 0  # all ranks together, as stored once loaded
 
     @property
     def rows(self) -> list[GroupCapacity]:
@@ -88,6 +89,8 @@ def make_plan(
     block_size: int = 16,
     dtype: str = "bfloat16",
     tensor_parallel_size: int = 1,
+    weight_dtype: str = "float32",
+    quantization: str | None = None,
 ) -> Plan:
     """With tensor parallelism, one rank's plan: its share of the KV heads in its memory (for
     MLA, the whole latent cache: every rank holds it)."""
@@ -97,7 +100,8 @@ def make_plan(
     max_len = max_model_len or cfg.max_position_embeddings
     memory = int(kv_cache_memory_gib * GIB)
     cache = CacheConfig(groups, block_size, split_memory(groups, memory, block_size, max_len))
-    return Plan(cfg, dtype, memory, max_len, cache, tensor_parallel_size)
+    weights = stored_weight_bytes(cfg, 4 if weight_dtype == "float32" else 2, quantization)
+    return Plan(cfg, dtype, memory, max_len, cache, tensor_parallel_size, weights)
 
 
 def format_plan(plan: Plan) -> str:
@@ -120,4 +124,7 @@ def format_plan(plan: Plan) -> str:
         f"bytes/token: {plan.bytes_per_token:,} ({layout}); one {plan.max_model_len}-token "
         f"sequence holds {plan.bytes_per_full_sequence / (1 << 20):,.1f} MiB"
     )
-    return "\n".join([header, format_capacity(plan.cache, plan.max_model_len), summary])
+    weights = f"weights: {plan.weight_bytes / (1 << 20):,.1f} MiB as stored once loaded" + (
+        " (all ranks together)" if plan.tensor_parallel_size > 1 else ""
+    )
+    return "\n".join([header, format_capacity(plan.cache, plan.max_model_len), summary, weights])

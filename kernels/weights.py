@@ -41,6 +41,9 @@ FORMATS = {
     "q6_k": Format(14, 256, 210),
 }
 
+# Formats a float checkpoint can be quantized to at load (those gguf-py's quantizer writes).
+QUANTIZABLE = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+
 
 @dataclass(frozen=True)
 class Weight:

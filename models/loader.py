@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -14,10 +15,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from kernels.quant import QuantEmbedding, QuantLinear
-from kernels.weights import Weight
+from kernels.quant import QuantEmbedding, QuantLinear, quantize
+from kernels.weights import FORMATS, QUANTIZABLE, Weight
 from models.config import ModelConfig
 from models.interface import CausalLM
+from models.layers import PackedLinear
 from models.tensor_parallel import NO_TP, TPRank, all_reduce_row_outputs, shard_weights
 
 ARCHITECTURES = {
@@ -48,6 +50,34 @@ def iter_safetensors(path: Path):
                 yield name, f.get_tensor(name)
 
 
+def stored_weight_bytes(cfg: ModelConfig, dtype_bytes: int, quantization: str | None = None) -> int:
+    """Bytes the model's weights take once loaded, read from the checkpoint's headers: block
+    formats at their stored size, float tensors at ``dtype_bytes`` per value, and with
+    ``quantization`` the float matrices of linear layers in that format (an estimate: every
+    2-D tensor but the embedding)."""
+    from models.gguf_import import GGUF_LINK
+
+    total = 0
+    if (cfg.path / GGUF_LINK).exists():
+        from gguf import GGUFReader
+
+        for t in GGUFReader(str(cfg.path / GGUF_LINK)).tensors:
+            fmt = t.tensor_type.name.lower()
+            total += int(t.n_bytes) if fmt in FORMATS else int(t.n_elements) * dtype_bytes
+        return total
+    for file in sorted(cfg.path.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                shape = f.get_slice(name).get_shape()
+                numel = math.prod(shape)
+                if quantization and len(shape) == 2 and "embed" not in name:
+                    spec = FORMATS[quantization]
+                    total += numel // spec.block * spec.block_bytes
+                else:
+                    total += numel * dtype_bytes
+    return total
+
+
 def iter_checkpoint(cfg: ModelConfig):
     """(name, tensor or block-format ``Weight``) of the folder's checkpoint."""
     from models.gguf_import import GGUF_LINK, read_gguf_tensors
@@ -73,10 +103,15 @@ def _uninitialized():
 
 
 def load_model(
-    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPRank = NO_TP
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TPRank = NO_TP,
+    quantization: str | None = None,
 ) -> CausalLM:
     """Build the model for ``cfg`` (a rank's share: ``shard_config``) and fill it from the
-    folder's checkpoint."""
+    folder's checkpoint; ``quantization`` (a block format) stores its float linear layers in
+    that format."""
     cls = model_class(cfg)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -87,9 +122,30 @@ def load_model(
         torch.set_default_dtype(previous)
     tensors = shard_weights(iter_checkpoint(cfg), tp)
     model.load_weights(place_quantized(model, tensors, device))
+    if quantization is not None:
+        quantize_linears(model, quantization)
     if tp.size > 1:
         all_reduce_row_outputs(model)
     return model.eval()
+
+
+def quantize_linears(model: nn.Module, fmt: str) -> None:
+    """Every float nn.Linear of the model becomes a QuantLinear in ``fmt``."""
+    if fmt not in QUANTIZABLE:
+        raise ValueError(f"cannot quantize to {fmt!r}; it can be {', '.join(QUANTIZABLE)}")
+    block = FORMATS[fmt].block
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) not in (nn.Linear, PackedLinear):
+                continue
+            if child.in_features % block:
+                raise ValueError(
+                    f"{name} has {child.in_features} inputs, not a multiple of {fmt}'s blocks "
+                    f"of {block}"
+                )
+            bias = None if child.bias is None else child.bias.detach().float()
+            data = quantize(child.weight, fmt)
+            setattr(parent, name, QuantLinear((Weight(data, bias, fmt),)))
 
 
 def _module_of(model: nn.Module, name: str) -> tuple[str, int] | None:

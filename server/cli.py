@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvserve")
 
 PLAN_SETTINGS = (
-    "model", "kv_cache_memory_gib", "max_model_len", "block_size", "dtype", "tensor_parallel_size"
+    "model", "kv_cache_memory_gib", "max_model_len", "block_size", "dtype", "tensor_parallel_size",
+    "quantization",
 )  # fmt: skip
 
 
@@ -158,7 +159,7 @@ def plan(args: EngineArgs) -> int:
 
     result = make_plan(
         args.model, args.kv_cache_memory_gib, args.max_model_len, args.block_size, args.dtype,
-        args.tensor_parallel_size,
+        args.tensor_parallel_size, quantization=args.quantization,
     )  # fmt: skip
     print(format_plan(result))
     return 0

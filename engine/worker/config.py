@@ -21,6 +21,7 @@ class RunnerConfig:
     seed: int = 0
     tensor_parallel_size: int = 1
     eos_token_ids: tuple[int, ...] = ()
+    quantization: str | None = None  # a block format for a float checkpoint's linear layers
 
     @property
     def torch_device(self) -> torch.device:

@@ -44,7 +44,9 @@ class ModelRunner:
         )
         self.tp = tp
         model_config = shard_config(config.model_config, tp)
-        self.model: CausalLM = load_model(model_config, self.dtype, self.device, tp)
+        self.model: CausalLM = load_model(
+            model_config, self.dtype, self.device, tp, config.quantization
+        )
         self.cpu_kernels = self._cpu_kernels(self.backend.prepare(self.model))
         self.groups: list[KVCacheGroup] = self.model.kv_cache_groups(model_config, config.dtype)
         layer_to_group = [0] * model_config.num_layers
