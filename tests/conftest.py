@@ -33,6 +33,14 @@ def gemma3_dir():
     return fetch("gemma3-270m", progress=False)
 
 
+@pytest.fixture(scope="session")
+def qwen05_dir():
+    """Qwen2.5-Coder-0.5B-Instruct, served from its GGUF file in its block formats."""
+    from models.fetch import fetch
+
+    return fetch("qwen2.5-coder-0.5b-instruct", progress=False)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """torch on one thread for a module of small matrices: a second thread only adds

@@ -12,7 +12,12 @@ from tokenizers import models as tk_models
 
 from models.tokenizer import Tokenizer
 
-ALIASES = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m"}
+ALIASES = {
+    "smollm2": "smollm2-135m-instruct",
+    "gemma3": "gemma3-270m",
+    "qwen2": "qwen2.5-coder-0.5b-instruct",
+}
+FOLDERS = {"smollm2": "smollm2_dir", "gemma3": "gemma3_dir", "qwen2": "qwen05_dir"}
 
 TEXTS = [
     "Hello world",
@@ -60,9 +65,9 @@ def gguf_tokenizers():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+@pytest.mark.parametrize("name", ["smollm2", "gemma3", "qwen2"])
 def test_ids_and_decode_match_transformers_gguf_tokenizer(name, request, gguf_tokenizers):
-    tok = Tokenizer.from_dir(request.getfixturevalue(f"{name}_dir"))
+    tok = Tokenizer.from_dir(request.getfixturevalue(FOLDERS[name]))
     ref = gguf_tokenizers(name)
     for text in TEXTS:
         ids = tok.encode(text)
@@ -78,11 +83,11 @@ def test_ids_and_decode_match_transformers_gguf_tokenizer(name, request, gguf_to
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+@pytest.mark.parametrize("name", ["smollm2", "gemma3", "qwen2"])
 def test_chat_template_matches_transformers(name, request):
     from transformers import AutoTokenizer
 
-    folder = request.getfixturevalue(f"{name}_dir")
+    folder = request.getfixturevalue(FOLDERS[name])
     tok = Tokenizer.from_dir(folder)
     ref = AutoTokenizer.from_pretrained(folder)
     assert tok.has_chat_template
@@ -204,3 +209,41 @@ def test_none_content_is_dropped_like_transformers(tmp_path):
     tok = Tokenizer.from_dir(_write_folder(tmp_path, PLAIN_TEMPLATE, add_bos=False))
     text = tok.apply_chat_template([{"role": "assistant", "content": None}], False)
     assert text == "<turn>"
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+TOOL_TURNS = [
+    {"role": "user", "content": "Weather in Oslo?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+     "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"},
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_qwen2_template_renders_tools_and_tool_turns_as_transformers(qwen05_dir):
+    from transformers import AutoTokenizer
+
+    tok = Tokenizer.from_dir(qwen05_dir)
+    ref = AutoTokenizer.from_pretrained(qwen05_dir)
+    for chat in (TOOL_TURNS[:1], TOOL_TURNS):
+        text = tok.apply_chat_template(chat, tools=TOOLS)
+        assert text == ref.apply_chat_template(
+            chat, tools=TOOLS, tokenize=False, add_generation_prompt=True
+        )
+    assert "<tools>" in text and '"name": "get_weather"' in text
+    assert "<tool_call>" in text and "<tool_response>\n18 C and sunny" in text
+    assert tok.eos_token_ids == (151645, 151643)
