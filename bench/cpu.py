@@ -71,7 +71,7 @@ from models.config import ModelConfig
 from models.fetch import resolve_model
 
 PEERS = Path(os.environ.get("PEERS", "/tmp/peers"))
-SERVERS = ("kvserve", "llama.cpp-f32", "llama.cpp-q4_1", "vllm-cpu-fp32")
+SERVERS = ("kvserve", "llama.cpp", "llama.cpp-f32", "llama.cpp-q4_1", "vllm-cpu-fp32")
 BASELINE = "kvserve-baseline"  # kvserve from another checkout (--baseline), for before/after
 
 
@@ -96,13 +96,22 @@ def servers(
         str(kv), "serve", "--model", str(model_dir), "--served-model-name", "kvserve",
         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", *kvserve_args,
     ]  # fmt: skip
-    found: dict[str, Server | str] = {"kvserve": Server("kvserve", "kvserve", "fp32", command)}
+    gguf = model_dir / "model.gguf"  # a model served from its GGUF file, in its block formats
+    ours = "gguf" if gguf.exists() else "fp32"
+    found: dict[str, Server | str] = {"kvserve": Server("kvserve", "kvserve", ours, command)}
     if baseline is None:
         found[BASELINE] = "no --baseline checkout given"
     else:
         env = {"PYTHONPATH": baseline, "TORCH_EXTENSIONS_DIR": f"{baseline}/.torch_extensions"}
-        found[BASELINE] = Server(BASELINE, "kvserve", "fp32", command, env)
+        found[BASELINE] = Server(BASELINE, "kvserve", ours, command, env)
     llama = PEERS / "llama-build/bin/llama-server"
+    if not llama.exists() or not gguf.exists():
+        found["llama.cpp"] = f"needs {llama} (../shared/peers/setup.sh) and a GGUF-served model"
+    else:
+        found["llama.cpp"] = Server("llama.cpp", "kvserve", "gguf", [
+            str(llama), "-m", str(gguf.resolve()), "--alias", "kvserve", "--host", "127.0.0.1",
+            "--port", str(port), "-c", "8192", "-np", "8", "-t", threads,
+        ])  # fmt: skip
     for name, gguf, weights in (("llama.cpp-f32", "smollm2-f32.gguf", "fp32"),
                                 ("llama.cpp-q4_1", "smollm2-q4_1.gguf", "Q4_1")):  # fmt: skip
         path = PEERS / "gguf" / gguf
@@ -126,9 +135,16 @@ def servers(
     return found
 
 
-def weight_bytes(model_dir: Path) -> tuple[int, int]:
-    """(bytes read per decode step at fp32, at Q4_1): every matrix once; the embedding table
-    only when it is also the output layer (tied)."""
+def weight_bytes(model_dir: Path) -> dict[str, int]:
+    """Bytes read per decode step by weights kind: every matrix once; the embedding table only
+    when it is also the output layer (tied). A GGUF-served model: its tensors as stored."""
+    if (model_dir / "model.gguf").exists():
+        from gguf import GGUFReader
+
+        tensors = GGUFReader(str(model_dir / "model.gguf")).tensors
+        tied = all(t.name != "output.weight" for t in tensors)
+        read = [t for t in tensors if tied or t.name != "token_embd.weight"]
+        return {"gguf": sum(int(t.n_bytes) for t in read)}
     cfg = ModelConfig.from_dir(model_dir)
     tied = cfg.get("tie_word_embeddings", False)
     numel = 0
@@ -139,7 +155,7 @@ def weight_bytes(model_dir: Path) -> tuple[int, int]:
                     continue
                 shape = f.get_slice(name).get_shape()
                 numel += int(torch.Size(shape).numel())
-    return numel * 4, numel * 20 // 32  # Q4_1: 20 bytes per block of 32 weights
+    return {"fp32": numel * 4, "Q4_1": numel * 20 // 32}  # Q4_1: 20 bytes per 32 weights
 
 
 def box_bandwidth(gib: float = 1.0) -> float:
@@ -159,11 +175,29 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> b
     return False
 
 
+def resident_bytes(pid: int) -> int:
+    """Resident memory of the process and its children (VmRSS, the file pages it maps
+    included)."""
+    total = 0
+    for proc in Path("/proc").iterdir():
+        try:
+            status = (proc / "status").read_text()
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, ValueError, IndexError):
+            continue
+        if int(proc.name) == pid or int(stat[2]) == pid:  # itself or its group's members
+            rss = next((ln for ln in status.splitlines() if ln.startswith("VmRSS:")), None)
+            total += int(rss.split()[1]) * 1024 if rss else 0
+    return total
+
+
 @contextlib.contextmanager
-def started(server: Server, port: int, log_dir: Path):
+def started(server: Server, port: int, log_dir: Path, facts: dict | None = None):
     """Run ``server`` on ``port`` for the block: yields its root URL, or None when it did not
-    become healthy (its log says why); stopped after."""
+    become healthy (its log says why); stopped after. ``facts`` gets the seconds to healthy
+    (``startup_s``) and the resident memory then (``rss_mb``)."""
     log = log_dir / f"{server.name}.log"
+    begun = time.perf_counter()
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             server.command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -174,6 +208,9 @@ def started(server: Server, port: int, log_dir: Path):
         if not _wait_healthy(root, proc):
             yield None
             return
+        if facts is not None:
+            facts["startup_s"] = time.perf_counter() - begun
+            facts["rss_mb"] = resident_bytes(proc.pid) / 2**20
         time.sleep(2)  # let start-up work (warm-up, compilation) settle
         yield root
     finally:
@@ -186,7 +223,8 @@ def started(server: Server, port: int, log_dir: Path):
 
 
 def run_server(server: Server, port: int, args: argparse.Namespace, log_dir: Path) -> dict:
-    with started(server, port, log_dir) as root:
+    facts: dict = {}
+    with started(server, port, log_dir, facts) as root:
         if root is None:
             return {"error": f"did not start (see {log_dir / server.name}.log)"}
 
@@ -205,13 +243,16 @@ def run_server(server: Server, port: int, args: argparse.Namespace, log_dir: Pat
                 output_tok_s=s.output_throughput, ttft_ms=s.ttft.median_ms,
                 tpot_ms=s.tpot.median_ms, failed=s.failed, completed=s.completed,
             )  # fmt: skip
-        return passes
+        return {**passes, "start": facts}
 
 
 def median_passes(rounds: list[dict]) -> dict:
     """Per concurrency, the median of each figure over the rounds (failures summed)."""
     merged = {}
     for c in rounds[0]:
+        if c == "start":
+            merged[c] = {k: statistics.median(r[c][k] for r in rounds) for k in rounds[0][c]}
+            continue
         runs = [r[c] for r in rounds]
         merged[c] = {k: statistics.median(r[k] for r in runs)
                      for k in ("output_tok_s", "ttft_ms", "tpot_ms")}  # fmt: skip
@@ -223,7 +264,7 @@ def median_passes(rounds: list[dict]) -> dict:
 def table(results: dict, bandwidth: float, step_bytes: dict[str, int], conc: list[int]) -> str:
     higher = [c for c in conc if c != 1]
     head = ["server (weights)", "1 stream decode tok/s", "% of roofline", "TTFT ms"]
-    head += [f"{c} concurrent total tok/s" for c in higher]
+    head += [f"{c} concurrent total tok/s" for c in higher] + ["start-up s", "RSS after start MB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in results.items():
         if "error" in r:
@@ -235,6 +276,8 @@ def table(results: dict, bandwidth: float, step_bytes: dict[str, int], conc: lis
         cells = [f"{name} ({r['weights']})", _f(tok_s), _f(tok_s and 100 * tok_s / roof),
                  _f(one and one["ttft_ms"])]  # fmt: skip
         cells += [_f(r["passes"][c]["output_tok_s"]) for c in higher]
+        start = r["passes"].get("start", {})
+        cells += [_f(start.get("startup_s")), _f(start.get("rss_mb"), 0)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -253,14 +296,14 @@ def _f(v, digits: int = 1) -> str:
 
 def bench_servers(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)
-    fp32, q4 = weight_bytes(model_dir)
-    step_bytes = {"fp32": fp32, "Q4_1": q4}
+    step_bytes = weight_bytes(model_dir)
     available = servers(model_dir, args.port, args.kvserve_args, args.baseline)
     bandwidth = [box_bandwidth()]
+    kind, step = next(iter(step_bytes.items()))
     print(
         f"box: {os.cpu_count()} cores, {_cpu_model()}; read bandwidth {bandwidth[0] / 1e9:.1f} "
-        f"GB/s; fp32 weights read per step {fp32 / 1e6:.0f} MB (roofline "
-        f"{bandwidth[0] / fp32:.1f} tok/s)",
+        f"GB/s; {kind} weights read per step {step / 1e6:.0f} MB (roofline "
+        f"{bandwidth[0] / step:.1f} tok/s)",
         flush=True,
     )
     log_dir = Path(args.log_dir)
@@ -392,8 +435,7 @@ def paired_table(summary: dict, weights: dict[str, str], bandwidth: float, step_
 def bench_interleaved(args: argparse.Namespace) -> int:
     """All servers up at once (each idle while another serves), one stream, prompts in turn."""
     model_dir = resolve_model(args.model)
-    fp32, q4 = weight_bytes(model_dir)
-    step_bytes = {"fp32": fp32, "Q4_1": q4}
+    step_bytes = weight_bytes(model_dir)
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     bandwidth = [box_bandwidth()]

@@ -24,14 +24,21 @@ def test_rounds_merge_to_the_median_of_each_figure_and_the_sum_of_failures():
 
 def test_the_table_reports_one_stream_from_the_median_tpot_against_the_roofline():
     results = {
-        "kvserve": {"weights": "fp32", "passes": {1: _pass(0, 250.0, 20.0), 8: _pass(150.0, 0, 0)}},
+        "kvserve": {
+            "weights": "fp32",
+            "passes": {
+                1: _pass(0, 250.0, 20.0),
+                8: _pass(150.0, 0, 0),
+                "start": {"startup_s": 4.25, "rss_mb": 612.4},
+            },
+        },
         "peer": {"weights": "fp32", "error": "did not start"},
     }
     text = table(results, bandwidth=25e9, step_bytes={"fp32": 500_000_000}, conc=[1, 8])
     rows = text.splitlines()
     assert rows[0].startswith("| server (weights) | 1 stream decode tok/s | % of roofline")
     # 1000 / 20 ms = 50 tok/s against a roofline of 25e9 / 5e8 = 50 tok/s.
-    assert rows[2] == "| kvserve (fp32) | 50.0 | 100.0 | 250.0 | 150.0 |"
+    assert rows[2] == "| kvserve (fp32) | 50.0 | 100.0 | 250.0 | 150.0 | 4.2 | 612 |"
     assert rows[3].startswith("| peer | did not start |")
 
 
