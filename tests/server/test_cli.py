@@ -25,10 +25,10 @@ def fails(argv: list[str], capsys) -> str:
 
 
 @pytest.fixture
-def qwen2_gguf(tmp_path) -> Path:
+def phi3_gguf(tmp_path) -> Path:
     """A GGUF file of an architecture the converter does not know (header and metadata only)."""
-    path = tmp_path / "qwen2.gguf"
-    writer = gguf.GGUFWriter(str(path), "qwen2")
+    path = tmp_path / "phi3.gguf"
+    writer = gguf.GGUFWriter(str(path), "phi3")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -37,11 +37,11 @@ def qwen2_gguf(tmp_path) -> Path:
 
 
 def test_convert_names_the_unsupported_architecture_and_the_supported_ones(
-    qwen2_gguf, tmp_path, capsys
+    phi3_gguf, tmp_path, capsys
 ):
-    line = fails(["convert", str(qwen2_gguf), str(tmp_path / "out")], capsys)
+    line = fails(["convert", str(phi3_gguf), str(tmp_path / "out")], capsys)
     assert line == (
-        "kvserve convert: unsupported GGUF architecture 'qwen2'; supported: gemma3, llama"
+        "kvserve convert: unsupported GGUF architecture 'phi3'; supported: gemma3, llama, qwen2"
     )
 
 
@@ -57,11 +57,11 @@ def test_convert_of_a_missing_or_non_gguf_file(tmp_path, capsys):
     )
 
 
-def test_the_installed_command_prints_no_traceback(qwen2_gguf, tmp_path):
+def test_the_installed_command_prints_no_traceback(phi3_gguf, tmp_path):
     if not KVSERVE.exists():
         pytest.skip("no .venv/bin/kvserve")
     proc = subprocess.run(
-        [str(KVSERVE), "convert", str(qwen2_gguf), str(tmp_path / "out")],
+        [str(KVSERVE), "convert", str(phi3_gguf), str(tmp_path / "out")],
         capture_output=True,
         text=True,
         timeout=120,
@@ -69,7 +69,7 @@ def test_the_installed_command_prints_no_traceback(qwen2_gguf, tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("kvserve convert: unsupported GGUF architecture 'qwen2'")
+    assert last.startswith("kvserve convert: unsupported GGUF architecture 'phi3'")
 
 
 def test_fetch_of_an_unknown_alias_lists_the_known_ones(capsys):
@@ -78,10 +78,15 @@ def test_fetch_of_an_unknown_alias_lists_the_known_ones(capsys):
     assert "smollm2-135m-instruct" in line
 
 
-def test_serve_of_a_gguf_file_says_to_convert_it_first(qwen2_gguf, capsys):
-    line = fails(["serve", "--model", str(qwen2_gguf)], capsys)
-    assert line.startswith(f"kvserve serve: {qwen2_gguf} is a GGUF file")
-    assert f"kvserve convert {qwen2_gguf} OUT_DIR" in line and "--model OUT_DIR" in line
+def test_serve_of_a_gguf_file_of_an_unknown_architecture_names_the_known_ones(
+    phi3_gguf, capsys, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("KVSERVE_HOME", str(tmp_path / "home"))
+    line = fails(["serve", "--model", str(phi3_gguf)], capsys)
+    assert line == (
+        "kvserve serve: unsupported GGUF architecture 'phi3'; supported: gemma3, llama, qwen2"
+    )
+    assert not list((tmp_path / "home" / "served").iterdir())  # nothing half-built left
 
 
 def test_serve_of_a_missing_model_or_an_unsupported_architecture(tmp_path, capsys):
@@ -91,15 +96,16 @@ def test_serve_of_a_missing_model_or_an_unsupported_architecture(tmp_path, capsy
     folder.mkdir()
     line = fails(["serve", "--model", str(folder)], capsys)
     assert line == f"kvserve serve: {folder / 'config.json'}: No such file or directory"
-    (folder / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
+    (folder / "config.json").write_text(json.dumps({"architectures": ["Phi3ForCausalLM"]}))
     line = fails(["serve", "--model", str(folder)], capsys)
-    assert line.startswith("kvserve serve: architecture 'Qwen2ForCausalLM' is not supported (")
+    assert line.startswith("kvserve serve: architecture 'Phi3ForCausalLM' is not supported (")
     assert "LlamaForCausalLM" in line
 
 
-def test_plan_of_a_gguf_file_says_to_convert_it_first(qwen2_gguf, capsys):
-    line = fails(["plan", "--model", str(qwen2_gguf), "--kv-cache-memory", "1"], capsys)
-    assert line.startswith(f"kvserve plan: {qwen2_gguf} is a GGUF file")
+def test_plan_of_a_gguf_file_of_an_unknown_architecture(phi3_gguf, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSERVE_HOME", str(tmp_path / "home"))
+    line = fails(["plan", "--model", str(phi3_gguf), "--kv-cache-memory", "1"], capsys)
+    assert line.startswith("kvserve plan: unsupported GGUF architecture 'phi3'")
 
 
 def test_bad_engine_flags_are_one_line_too(capsys):

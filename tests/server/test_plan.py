@@ -230,3 +230,21 @@ def test_serve_logs_the_capacity_that_plan_prints(model, request, capsys):
     groups = {"smollm2_dir": 1, "gemma3_dir": 2}[model]  # gemma3: sliding-window + full
     assert len(planned) == 1 + groups
     assert all(int(row.split()[3]) > 0 for row in planned[1:])  # blocks in every pool
+
+
+@pytest.mark.slow
+def test_a_gguf_file_is_planned_with_its_weights_at_their_stored_size(capsys, smollm2_dir):
+    """The Q4_1 file's matrices count at their stored bytes; the converted float32 folder of
+    the same model at 4 bytes a value, and at Q8_0's 34 bytes per 32 with --quantization."""
+    from models.fetch import gguf_path
+
+    gguf = gguf_path("smollm2-135m-instruct", progress=False)
+    assert main(["--model", str(gguf), "--kv-cache-memory", "1"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    stored = float(line.split()[1].replace(",", "")) * 2**20
+    assert 0.9 * gguf.stat().st_size < stored < 1.1 * gguf.stat().st_size
+    fp32 = make_plan(str(smollm2_dir), 1.0, weight_dtype="float32").weight_bytes
+    q8 = make_plan(str(smollm2_dir), 1.0, quantization="q8_0").weight_bytes
+    embed = 49152 * 576 * 4  # the (tied) embedding stays float32
+    assert fp32 == pytest.approx(134_515_008 * 4, rel=1e-3)
+    assert q8 - embed == pytest.approx((fp32 - embed) * 34 / 32 / 4, rel=0.01)

@@ -132,3 +132,30 @@ def test_a_launcher_world_size_other_than_the_tensor_parallel_size_is_refused(
     assert "launcher started 3 ranks (WORLD_SIZE) but --tensor-parallel-size is 2" in (
         capsys.readouterr().err
     )
+
+
+def test_two_ranks_of_a_quantized_model_give_the_tokens_of_one(tiny_llama_dir):
+    """Both on the reference path (ranks run no C++ layers): each rank's share of a matrix
+    quantizes to the blocks of the whole one, the row-parallel ones split on block edges."""
+    prompts = [random_prompt(n, 120, seed=n) for n in (5, 30)]
+    one = greedy(tiny_llama_dir, prompts, 1, quantization="q8_0", cpu_kernels=False)
+    assert greedy(tiny_llama_dir, prompts, 2, quantization="q8_0") == one
+
+
+def test_block_format_matrices_split_on_block_boundaries_or_are_refused():
+    import torch
+
+    from kernels.quant import dequantize, quantize
+    from kernels.weights import Weight
+    from models.tensor_parallel import TPRank, shard_weights
+
+    full = torch.randn(6, 128)
+    w = Weight(quantize(full, "q8_0"), None, "q8_0")
+    names = ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.down_proj.weight")
+    dense = dequantize(w)
+    for rank in (0, 1):
+        (_, column), (_, row) = shard_weights([(n, w) for n in names], TPRank(rank, 2))
+        torch.testing.assert_close(dequantize(column), dense.chunk(2, dim=0)[rank])
+        torch.testing.assert_close(dequantize(row), dense.chunk(2, dim=1)[rank])
+    with pytest.raises(ValueError, match=r"128 inputs in blocks of 32: they do not split over 3"):
+        list(shard_weights([(names[1], w)], TPRank(0, 3)))
