@@ -11,6 +11,12 @@ once with ``triton.compile`` for the target; its cubin's resource usage (``cuobj
 registers, static shared memory and the stack frame, where spilled registers go; Triton's
 metadata gives the dynamic shared memory.
 
+The block-format kernels (``kernels.triton_quant``) are reached the same way: the ``triton``
+backend's ``prepare`` swaps the ``QuantLinear`` and ``QuantEmbedding`` modules of a quantized
+model (``QUANT_MODELS``: each matrix's parts and formats as its GGUF file stores them) for its
+own, which are then called on meta tensors of every step size; in their rows, ``group`` names
+the matrix part a launch reads and its format (``down:q6_k``), not a KV-cache group.
+
 Run as a module, in a process without ``TRITON_INTERPRET`` (the kernels must be JIT functions):
 it prints one JSON document, ``{"skip": reason}`` or ``{"rows": [...]}`` with one row per
 (model, dtype, target, KV-cache group, kernel, variant).
@@ -75,6 +81,29 @@ MODELS = {
         "qk_nope_head_dim": 128, "v_head_dim": 128, "max_position_embeddings": 163840,
     },
 }  # fmt: skip
+
+# Quantized models as their Q4_K_M GGUF files store them (llama.cpp's recipe): most matrices in
+# q4_k, v and down in q6_k in some layers; where a matrix's input width is not a multiple of 256
+# (0.5B's 896) q4_k falls back to q5_0 and q6_k to q8_0. Fused matrices are parts stacked by
+# rows (``kernels.weights.Parts``); each entry of a slot is one way a layer stores it, as
+# ((format, rows), ...). The embedding table is the LM head too (tied).
+QUANT_MODELS = {
+    "Qwen2.5-Coder-0.5B-Q4_K_M": {
+        "hidden": 896, "intermediate": 4864, "vocab": 151936, "table": "q8_0",
+        "qkv": ((("q5_0", 1152),), (("q5_0", 1024), ("q8_0", 128))),
+        "o": ((("q5_0", 896),),),
+        "gate_up": ((("q5_0", 9728),),),
+        "down": ((("q4_k", 896),), (("q6_k", 896),)),
+    },
+    "Qwen2.5-Coder-1.5B-Q4_K_M": {
+        "hidden": 1536, "intermediate": 8960, "vocab": 151936, "table": "q6_k",
+        "qkv": ((("q4_k", 1792), ("q4_k", 256)), (("q4_k", 1792), ("q6_k", 256))),
+        "o": ((("q4_k", 1536),),),
+        "gate_up": ((("q4_k", 17920),),),
+        "down": ((("q4_k", 1536),), (("q6_k", 1536),)),
+    },
+}  # fmt: skip
+QUANT_ROWS = (1, 2, 3, 4, 5, 16, 17, 64, 65, 256, 2048)  # tokens of a step, or its sequences
 
 # Steps the launch code could tell apart: batch sizes and table widths around 1 and multiples
 # of 16, decodes before prefills in odd and even numbers (the prefill part is a slice).
@@ -188,6 +217,57 @@ def record_launches(name: str, dtype: torch.dtype, sms: int) -> Iterator[tuple[i
             backend.rotate_keys(caches[0], ids, -37, _rope_layout(spec))
         yield from ((g, launch) for launch in launches)
         launches.clear()
+
+
+def _quant_weight(fmt: str, rows: int, cols: int, dtype: torch.dtype, bias: bool):
+    from kernels.weights import FORMATS, Weight
+
+    spec = FORMATS[fmt]
+    data = torch.empty(
+        rows, cols // spec.block * spec.block_bytes, dtype=torch.uint8, device="meta"
+    )
+    return Weight(data, torch.empty(rows, dtype=dtype, device="meta") if bias else None, fmt)
+
+
+def _quant_modules(name: str, dtype: torch.dtype):
+    """(labels of its parts, module) of every distinct stored matrix of the model, as
+    ``kernels.quant`` modules: the table as embedding and LM head, and every way a layer stores
+    each projection (q, k and v with their biases, as Qwen2's)."""
+    from kernels.quant import QuantEmbedding, QuantLinear
+    from kernels.weights import part_name
+
+    m = QUANT_MODELS[name]
+    table = _quant_weight(m["table"], m["vocab"], m["hidden"], dtype, bias=False)
+    yield (f"embedding:{table.format}",), QuantEmbedding(table, dtype)
+    yield (f"lm_head:{table.format}",), QuantLinear((table,))
+    for slot in ("qkv", "o", "gate_up", "down"):
+        cols = m["intermediate"] if slot == "down" else m["hidden"]
+        for stored in m[slot]:
+            parts = tuple(
+                _quant_weight(fmt, rows, cols, dtype, bias=slot == "qkv") for fmt, rows in stored
+            )
+            labels = tuple(f"{part_name(slot, i)}:{p.format}" for i, p in enumerate(parts))
+            yield labels, QuantLinear(parts)
+
+
+def record_quant_launches(name: str, dtype: torch.dtype) -> Iterator[tuple[str, object]]:
+    """(part and format, launch) of every step size, through the ``triton`` backend's modules."""
+    from kernels.backend import TritonBackend
+    from kernels.quant import QuantEmbedding
+
+    launches: list = []
+    labels, modules = zip(*_quant_modules(name, dtype))
+    model = torch.nn.ModuleList(modules)
+    assert TritonBackend(run=launches.append).prepare(model) == len(model)
+    for parts, module in zip(labels, model):
+        for rows in QUANT_ROWS:
+            if isinstance(module, QuantEmbedding):
+                module(torch.empty(rows, dtype=torch.int64, device="meta"))
+            else:
+                module(torch.empty(rows, module.in_features, dtype=dtype, device="meta"))
+            assert len(launches) == len(parts)  # one per part
+            yield from zip(parts, launches)
+            launches.clear()
 
 
 @dataclass(frozen=True)
@@ -318,15 +398,19 @@ def _variant_id(key: str) -> str:
 
 
 def collect(target_name: str) -> list[dict]:
-    """One row per (model, dtype, KV-cache group, kernel, variant) for the target, with its
-    launch count and the compiled variant's resources."""
+    """One row per (model, dtype, KV-cache group or quantized part, kernel, variant) for the
+    target, with its launch count and the compiled variant's resources."""
     target = TARGETS[target_name]
     specializer = Specializer(target.capability)
     counts: dict[tuple, int] = {}
     variants: dict[str, Variant] = {}
-    for model in MODELS:
+    for model in (*MODELS, *QUANT_MODELS):
         for dtype_name, dtype in DTYPES.items():
-            for group, launch in record_launches(model, dtype, target.sms):
+            if model in MODELS:
+                launches = record_launches(model, dtype, target.sms)
+            else:
+                launches = record_quant_launches(model, dtype)
+            for group, launch in launches:
                 variant = specializer.variant(launch)
                 row = (model, dtype_name, group, variant.kernel.__name__, variant.key)
                 counts[row] = counts.get(row, 0) + 1

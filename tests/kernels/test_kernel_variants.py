@@ -6,8 +6,11 @@ The variants come from the serving code path run on meta tensors for four real m
 (SmolLM2-135M: 9/3 heads of 64, Llama-3-8B: 32/8 of 128, Gemma 3 270M: 4/1 of 256 with a
 512-token window on 5 of 6 layers, DeepSeek-V3: MLA over 576-wide latents for 128 heads), in
 fp32, fp16 and bf16, over batch sizes, table widths and decode/prefill mixes chosen around the
-values Triton specializes on. They are compiled in a separate process, where the kernels are JIT
-functions rather than interpreted ones.
+values Triton specializes on. The block-format kernels come from two Q4_K_M files' matrices
+(Qwen2.5-Coder 0.5B: q5_0, q8_0, q4_k and q6_k at widths 896 and 4864; 1.5B: q4_k and q6_k at
+1536 and 8960, a 151936-row table) over step sizes around the GEMV/matmul boundary. They are
+compiled in a separate process, where the kernels are JIT functions rather than interpreted
+ones.
 
 Bounds:
   - shared memory per block (Triton's dynamic plus the cubin's static) within the target's
@@ -22,6 +25,8 @@ Bounds:
   - variants: one per (model, dtype, KV-cache group, kernel). Every step (batch size, context
     length, number of decodes, table width) launches the variant the first step compiled, so a
     server compiles at most 5 kernels x cache groups per dtype, all of them in its first steps.
+    A quantized matrix part compiles one variant per kernel and tile: GEMV, the matmul's
+    decode-batch and prefill tiles (``triton_quant.matmul_tile``), the row dequantizer.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from tests.kernels import kernel_variants
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"_decode_kernel", "_merge_kernel", "_prefill_kernel", "_write_cache_kernel",
            "_rotate_kernel"}  # fmt: skip
+QUANT_KERNELS = {"_quant_gemv_kernel", "_quant_matmul_kernel", "_dequantize_rows_kernel"}
+TILES = {"_quant_matmul_kernel": 2}  # variants a part may compile per kernel (else 1)
 
 
 def _compile_in_subprocesses() -> dict:
@@ -86,12 +93,26 @@ def test_every_model_dtype_and_target_launches_every_kernel(rows):
         seen[row["model"], row["dtype"], row["target"]].add(row["kernel"])
     expected = {
         (m, d, t)
-        for m in kernel_variants.MODELS
+        for m in (*kernel_variants.MODELS, *kernel_variants.QUANT_MODELS)
         for d in kernel_variants.DTYPES
         for t in kernel_variants.TARGETS
     }
     assert set(seen) == expected
-    assert all(kernels == KERNELS for kernels in seen.values()), dict(seen)
+    wrong = {
+        key: kernels
+        for key, kernels in seen.items()
+        if kernels != (KERNELS if key[0] in kernel_variants.MODELS else QUANT_KERNELS)
+    }
+    assert not wrong, wrong
+
+
+def test_every_stored_format_of_the_quantized_models_is_compiled(rows):
+    for model, m in kernel_variants.QUANT_MODELS.items():
+        stored = {m["table"]} | {
+            fmt for slot in ("qkv", "o", "gate_up", "down") for way in m[slot] for fmt, _ in way
+        }
+        compiled = {r["group"].split(":")[1] for r in rows if r["model"] == model}
+        assert compiled == stored, (model, compiled, stored)
 
 
 def test_every_variant_fits_the_targets_shared_memory(rows):
@@ -126,7 +147,7 @@ def test_one_variant_per_model_dtype_group_and_kernel(rows):
     variants = defaultdict(set)
     for r in rows:
         variants[r["model"], r["dtype"], r["target"], r["group"], r["kernel"]].add(r["variant"])
-    several = {k: v for k, v in variants.items() if len(v) > 1}
+    several = {k: v for k, v in variants.items() if len(v) > TILES.get(k[-1], 1)}
     assert not several, sorted(several)
 
 
