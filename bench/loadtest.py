@@ -31,7 +31,13 @@ SCRAPED_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usag
 METRIC_PREFIXES = ("kvserve:", "vllm:")
 # Older vLLM releases export the KV usage gauge under its GPU-only name.
 GAUGE_ALIASES = {"gpu_cache_usage_perc": "kv_cache_usage_perc"}
-ENDPOINT_PATHS = {"completions": "/completions", "chat": "/chat/completions"}
+ENDPOINT_PATHS = {
+    "completions": "/completions",
+    "chat": "/chat/completions",
+    "responses": "/responses",
+}
+# The endpoints whose prompts are conversations, rendered by the server's chat template.
+TEMPLATED_ENDPOINTS = ("chat", "responses")
 
 # Frequent English words: nearly every BPE vocabulary holds each (with its leading space) as
 # one token, so a prompt of N of them is close to N tokens without knowing the tokenizer.
@@ -110,7 +116,7 @@ def normalize_base_url(url: str) -> str:
 class BenchConfig:
     base_url: str = DEFAULT_BASE_URL
     model: str | None = None  # None: the first of GET /models
-    endpoint: str = "completions"  # "completions" | "chat"
+    endpoint: str = "completions"  # "completions" | "chat" | "responses"
     stream: bool = True
     num_prompts: int = 100
     duration_s: float = 600.0  # hard bound: requests still running then are cancelled
@@ -162,6 +168,11 @@ class BenchConfig:
     def endpoint_url(self) -> str:
         """Where the load goes: the base URL and the endpoint's path."""
         return self.base_url + ENDPOINT_PATHS[self.endpoint]
+
+    @property
+    def templated(self) -> bool:
+        """Whether prompts go as messages, through the server's chat template."""
+        return self.endpoint in TEMPLATED_ENDPOINTS
 
     @property
     def root_url(self) -> str:
@@ -505,7 +516,7 @@ def synthetic_requests(
         messages = history[session] + [{"role": "user", "content": text}]
         est[session] += int(n_in)
         after = i - sessions if turn else None
-        if config.endpoint == "chat":
+        if config.templated:
             content: dict[str, Any] = {"messages": messages}
         else:
             content = {"prompt": "\n".join(m["content"] for m in messages)}
@@ -541,18 +552,20 @@ def _dataset_request(row: dict[str, Any], config: BenchConfig) -> BenchRequest:
     max_tokens = int(row.get("max_tokens", config.output_len))
     if "messages" in row:
         messages = list(row["messages"])
-        if config.endpoint == "chat":
+        if config.templated:
             return BenchRequest(max_tokens, messages=messages)
         return BenchRequest(max_tokens, prompt="\n".join(str(m["content"]) for m in messages))
     if "prompt" not in row:
         raise KeyError('each line needs "prompt" or "messages"')
     prompt = str(row["prompt"])
-    if config.endpoint == "chat":
+    if config.templated:
         return BenchRequest(max_tokens, messages=[{"role": "user", "content": prompt}])
     return BenchRequest(max_tokens, prompt=prompt)
 
 
 def request_body(config: BenchConfig, model: str, req: BenchRequest) -> dict[str, Any]:
+    if config.endpoint == "responses":
+        return responses_body(config, model, req)
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": req.max_tokens,
@@ -567,6 +580,23 @@ def request_body(config: BenchConfig, model: str, req: BenchRequest) -> dict[str
         body["stream_options"] = {"include_usage": True}
     if config.ignore_eos:
         body["ignore_eos"] = True
+    body.update(config.extra_body)
+    return body
+
+
+def responses_body(config: BenchConfig, model: str, req: BenchRequest) -> dict[str, Any]:
+    """OpenAI's Responses API: the conversation as input items, nothing stored (each request
+    resends its history, as on the chat endpoint)."""
+    body: dict[str, Any] = {
+        "model": model,
+        "input": req.messages if req.messages is not None else req.prompt,
+        "max_output_tokens": req.max_tokens,
+        "temperature": config.temperature,
+        "stream": config.stream,
+        "store": False,
+    }
+    if config.ignore_eos:
+        body["ignore_eos"] = True  # kvserve's and vLLM's extension, as on the other endpoints
     body.update(config.extra_body)
     return body
 
@@ -631,6 +661,16 @@ async def _count_tokens(client: httpx.AsyncClient, root_url: str, body: dict) ->
 
 
 def _chunk_text(payload: dict[str, Any]) -> str:
+    kind = payload.get("type")
+    if isinstance(kind, str) and kind.startswith("response."):
+        # A Responses event: text, a function call's arguments and reasoning come as deltas.
+        return str(payload.get("delta") or "") if kind.endswith(".delta") else ""
+    if isinstance(payload.get("output"), list):  # a whole Responses answer
+        return "".join(
+            str(part.get("text") or "")
+            for item in payload["output"]
+            for part in item.get("content") or []
+        )
     choices = payload.get("choices") or []
     if not choices:
         return ""
@@ -652,17 +692,20 @@ def _error_message(payload: Any) -> str:
 
 
 def _take_usage(rec: RequestRecord, payload: dict[str, Any]) -> None:
-    usage = payload.get("usage")
+    # The Responses API puts it on the response (in its final event) and names it its own way.
+    usage = payload.get("usage") or (payload.get("response") or {}).get("usage")
     if not usage:
         return
     rec.usage_reported = True
-    if usage.get("prompt_tokens") is not None:
-        rec.prompt_tokens = int(usage["prompt_tokens"])
-    details = usage.get("prompt_tokens_details") or {}
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    if prompt is not None:
+        rec.prompt_tokens = int(prompt)
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
     if details.get("cached_tokens") is not None:
         rec.cached_tokens = int(details["cached_tokens"])
-    if usage.get("completion_tokens") is not None:
-        rec.output_tokens = int(usage["completion_tokens"])
+    completion = usage.get("completion_tokens", usage.get("output_tokens"))
+    if completion is not None:
+        rec.output_tokens = int(completion)
 
 
 async def _read_sse(resp: httpx.Response, rec: RequestRecord, start: float) -> None:
@@ -676,7 +719,7 @@ async def _read_sse(resp: httpx.Response, rec: RequestRecord, start: float) -> N
             break
         now = time.perf_counter()
         payload = json.loads(data)
-        if "error" in payload:
+        if "error" in payload or payload.get("type") in ("error", "response.failed"):
             rec.fail("stream", _error_message(payload), resp.status_code)
             return
         if _chunk_text(payload):
@@ -796,8 +839,9 @@ async def run_benchmark(config: BenchConfig) -> BenchResult:
         else:
             calibration = None
             if config.calibrate:
-                chat = config.endpoint == "chat"
-                calibration = await calibrate_prompts(client, config.root_url, model, chat)
+                calibration = await calibrate_prompts(
+                    client, config.root_url, model, config.templated
+                )
             requests = synthetic_requests(config, calibration or PromptCalibration())
         scraper = MetricsScraper(client, config.root_url + "/metrics", config.scrape_interval_s)
         await scraper.probe()

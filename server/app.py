@@ -60,6 +60,10 @@ from server.protocol import (
     describe_validation_error,
     random_id,
 )
+from server.response_events import ResponseEvents
+from server.response_store import ResponseNotFoundError, ResponseStore, StoredResponse
+from server.response_types import OutputMessage, ResponseObject, deleted, status_of
+from server.responses import PARAM_NAMES, ResponsesRequest, ResponseTurn
 from server.tools import ToolPlan, template_messages
 from server.tools import plan as plan_tools
 
@@ -319,6 +323,9 @@ class OpenAIServer:
         self.model_names = {self.served_model_name, engine.model_name, *extra_model_names}
         self.active: set[Generation] = set()  # generations in flight
         self.draining = False  # set at shutdown: new requests get 503
+        self.response_store = ResponseStore(
+            args.response_store_max_entries, args.response_store_max_bytes
+        )
 
     def health(self) -> str | None:
         """None when this server should get traffic; else why not."""
@@ -613,9 +620,11 @@ class OpenAIServer:
 
     # -- /v1/chat/completions --
 
-    async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
+    async def start_chat(
+        self, req: ChatCompletionRequest, rid: str
+    ) -> tuple[Generation, list[int], ToolPlan | None]:
+        """Admits a chat request and starts it: its generation, prompt ids and tool plan."""
         self.check_model(req.model)
-        rid = random_id("chatcmpl")
         tool_plan = plan_tools(req, self.tokenizer("messages").template_takes_tools)
         constraint = tool_plan.constraint if tool_plan is not None else None
         params = [
@@ -628,6 +637,11 @@ class OpenAIServer:
         prompt = await asyncio.to_thread(self.chat_prompt, req.messages, True, req.tools, tool_plan)
         prompt = req.truncate(prompt, keep)
         gen = await self.generation(rid, [prompt], params, req.priority)
+        return gen, prompt, tool_plan
+
+    async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
+        rid = random_id("chatcmpl")
+        gen, prompt, tool_plan = await self.start_chat(req, rid)
         if req.stream:
             return sse_response(self.chat_events(rid, gen, req, prompt, tool_plan))
         choices = await self.collect(gen, request)
@@ -744,6 +758,75 @@ class OpenAIServer:
                 )
             )
         return ChatLogprobs(content=content)
+
+    # -- /v1/responses --
+
+    async def responses(self, req: ResponsesRequest, request: Request) -> Response:
+        """The chat path under the Responses API's shapes (server/responses.py)."""
+        history: list[ChatMessage] = []
+        if req.previous_response_id is not None:
+            stored = self.response_store.get(req.previous_response_id, "previous_response_id")
+            history = list(stored.conversation)
+        turn = ResponseTurn(req, self.served_model_name, history)
+        try:
+            gen, prompt, tool_plan = await self.start_chat(turn.chat, turn.id)
+        except RequestError as e:  # named by the chat request's fields: say this API's
+            if e.param in PARAM_NAMES:
+                e.message = e.message.replace(e.param, PARAM_NAMES[e.param])
+                e.param = PARAM_NAMES[e.param]
+            raise
+        if req.stream:
+            return sse_response(self.response_events(turn, gen, prompt, tool_plan))
+        (choice,) = await self.collect(gen, request)
+        return json_response(self.finish_response(turn, gen, prompt, choice, tool_plan))
+
+    def finish_response(
+        self,
+        turn: ResponseTurn,
+        gen: Generation,
+        prompt: list[int],
+        choice: ChoiceState,
+        tool_plan: ToolPlan | None,
+    ) -> ResponseObject:
+        """The finished response, stored when the request asked for it."""
+        answer, finish_reason = assistant_answer(choice, tool_plan)
+        body = turn.response(
+            status_of(finish_reason), turn.output(answer, finish_reason), gen.usage(len(prompt), 1)
+        )
+        if turn.req.store:
+            stored = StoredResponse.of(body.model_dump_json(), turn.conversation(answer))
+            self.response_store.put(turn.id, stored)
+        return body
+
+    async def response_events(
+        self, turn: ResponseTurn, gen: Generation, prompt: list[int], tool_plan: ToolPlan | None
+    ) -> AsyncIterator[str]:
+        """Text streams as it comes; with tools the answer is parsed, so its items are sent
+        whole when it ends (as chat_events does)."""
+        events = ResponseEvents()
+        started = False  # whether the message item has been announced
+        try:
+            for event in events.started(turn.response("in_progress")):
+                yield event
+            async for choice, delta in gen.deltas():
+                check_finished(choice)
+                if tool_plan is not None or not delta.text:
+                    continue
+                if not started:
+                    message = OutputMessage(id=turn.message_id, content=[])
+                    for event in events.message_started(0, message):
+                        yield event
+                    started = True
+                yield events.text_delta(0, turn.message_id, delta.text)
+            body = self.finish_response(turn, gen, prompt, gen.choices[0], tool_plan)
+            done = events.message_done(0, body.output[0]) if started else []
+            for event in done + events.items(body.output[int(started) :], int(started)):
+                yield event
+            yield events.finished(body)
+        except Exception as exc:  # the headers are gone: the failure is the stream's last event
+            if not isinstance(exc, RequestError):
+                log.error("response stream failed", exc_info=exc)
+            yield events.error(exc)
 
     # -- tokenizer endpoints --
 
@@ -942,7 +1025,7 @@ def install_error_handlers(app: FastAPI) -> None:
 ERROR_STATUSES = {
     "400": "Invalid request: the message names the parameter.",
     "401": "Missing or wrong API key (when the server has keys).",
-    "404": "Unknown model or route.",
+    "404": "Unknown model, route or stored response.",
     "413": "Request body over --max-request-bytes.",
     "429": "Queue full; retry after the Retry-After header's seconds.",
     "500": "Internal error.",
@@ -970,6 +1053,31 @@ def openapi_with_errors(app: FastAPI) -> Callable[[], dict]:
         return app.openapi_schema
 
     return openapi
+
+
+def install_response_routes(app: FastAPI, server: OpenAIServer) -> None:
+    """/v1/responses, and its stored responses by id."""
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await server.responses(body, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        stored = server.response_store.get(response_id)
+        return Response(stored.body, media_type="application/json")
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        if not server.response_store.delete(response_id):
+            raise ResponseNotFoundError(response_id)
+        return Response(deleted(response_id), media_type="application/json")
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        server.response_store.get(response_id)
+        message = "Only background responses can be cancelled; this server runs none."
+        raise RequestError(message, param="response_id")
 
 
 def build_app(
@@ -1016,6 +1124,8 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         return await server.chat(body, request)
+
+    install_response_routes(app, server)
 
     @app.get("/version")
     async def version() -> Response:

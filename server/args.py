@@ -45,6 +45,14 @@ class ServerArgs:
         "aborted and the server exits; a second signal exits at once", metavar="SECONDS",
         group=LIMITS,
     )  # fmt: skip
+    response_store_max_entries: int = setting(
+        1024, "responses /v1/responses keeps for GET and previous_response_id (least recently "
+        "used evicted first; 0 keeps none)", metavar="N", group=LIMITS,
+    )  # fmt: skip
+    response_store_max_bytes: int = setting(
+        64 * MIB, "bytes those stored responses may hold, each counted as the JSON of its "
+        "response and whole conversation", metavar="N", group=LIMITS,
+    )  # fmt: skip
     engine_stall_timeout: float = setting(
         60.0, "/health answers 503 when work is pending and the engine has not completed a "
         "step for this long", metavar="SECONDS", group=LIMITS,
@@ -59,6 +67,8 @@ class ServerArgs:
             (self.max_sequences_per_request > 0, "max_sequences_per_request"),
             (self.shutdown_timeout >= 0, "shutdown_timeout"),
             (self.engine_stall_timeout > 0, "engine_stall_timeout"),
+            (self.response_store_max_entries >= 0, "response_store_max_entries"),
+            (self.response_store_max_bytes >= 0, "response_store_max_bytes"),
         ]
         for ok, name in checks:
             if not ok:

@@ -58,12 +58,13 @@ MAX_TOP_LOGPROBS = 20
 MIN_LOGPROB = -9999.0
 
 
-def _normalize(data: Any) -> Any:
-    """Drops explicit nulls (OpenAI reads them as "default") and refuses unsupported features."""
+def _normalize(cls: type[OpenAIBody], data: Any) -> Any:
+    """Drops explicit nulls (OpenAI reads them as "default") and refuses the features the
+    body's class leaves out (``unsupported``)."""
     if not isinstance(data, dict):
         return data
     data = {k: v for k, v in data.items() if v is not None}
-    for name, (feature, harmless) in UNSUPPORTED.items():
+    for name, (feature, harmless) in cls.unsupported.items():
         if name not in data:
             continue
         if not any(data[name] == value for value in harmless):
@@ -97,8 +98,10 @@ class OpenAIBody(BaseModel):
     is coerced (``"stream": "yes"`` is not a boolean) and numbers are finite."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    # Fields refused by name unless their value means "off": feature, harmless values.
+    unsupported: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = UNSUPPORTED
 
-    _normalize = model_validator(mode="before")(_normalize)
+    _normalize = model_validator(mode="before")(classmethod(_normalize))
 
 
 class RequestBody(OpenAIBody):

@@ -7,7 +7,8 @@ parsed back into OpenAI tool calls.
   constrained to its function's schema (vLLM's format).
 - ``"auto"`` with a template that renders tools: the model's own format, parsed when it is
   Hermes-style ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` (Qwen 2.5/3, Hermes,
-  SmolLM3 and others); text outside the tags is the content.
+  SmolLM3 and others); text outside the tags is the content. An answer that is only
+  ``{"name": <a tool>, "arguments": {...}}`` (bare or in a json fence) is a call too.
 - ``"auto"`` with a template that does not: llama.cpp's generic format, constrained: the answer
   is ``{"tool_calls": [...]}`` or ``{"content": "..."}``.
 - ``"none"``: no constraint, plain content.
@@ -33,6 +34,9 @@ from server.protocol import (
 )
 
 HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+# A whole answer that is one JSON object, bare or in a ```json fence: how small Hermes-style
+# models (Qwen2.5-Coder) often write a call, without the tags (llama.cpp's parser takes it too).
+BARE_CALL = re.compile(r"\s*(?:```(?:json)?\s*)?(\{.*\})\s*(?:```)?\s*", re.DOTALL)
 NO_ARGUMENTS = {"type": "object", "properties": {}}
 
 
@@ -42,14 +46,18 @@ class ToolPlan:
     constraint: Constraint | None
     instructions: str | None  # a system message for templates that cannot show tools
     function: str | None = None  # the named function
+    names: tuple[str, ...] = ()  # the tools' names: a bare JSON answer naming one is a call
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The output as (content, tool calls)."""
         if self.mode == "named":
             return None, [call(self.function, text)]
         if self.mode == "hermes":
+            bodies = HERMES_CALL.findall(text)
+            if not bodies:
+                return self.bare_call(text)
             calls = []
-            for body in HERMES_CALL.findall(text):
+            for body in bodies:
                 try:
                     data = json.loads(body)
                     calls.append(call(data["name"], json.dumps(data.get("arguments", {}))))
@@ -63,6 +71,22 @@ class ToolPlan:
                 return data["content"], []
             data = data["tool_calls"]
         return None, [call(c["name"], json.dumps(c["parameters"])) for c in data]
+
+    def bare_call(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The answer as one call when it is ``{"name": <a tool>, "arguments": {...}}``."""
+        match = BARE_CALL.fullmatch(text)
+        try:
+            data = json.loads(match[1]) if match else None
+        except ValueError:
+            data = None
+        if (
+            isinstance(data, dict)
+            and data.get("name") in self.names
+            and set(data) <= {"name", "arguments"}
+            and isinstance(data.get("arguments", {}), dict)
+        ):
+            return None, [call(data["name"], json.dumps(data.get("arguments", {})))]
+        return text.strip() or None, []
 
 
 def call(name: str, arguments: str) -> ToolCall:
@@ -94,7 +118,7 @@ def plan(req: ChatCompletionRequest, template_takes_tools: bool) -> ToolPlan | N
     if choice == "required":
         return ToolPlan("required", Constraint("json", json.dumps(calls), "tools"), instructions)
     if template_takes_tools:
-        return ToolPlan("hermes", None, None)
+        return ToolPlan("hermes", None, None, names=tuple(t.function.name for t in tools))
     answer = {
         "anyOf": [
             {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -143,7 +144,36 @@ def fake_app(fake: Fake) -> FastAPI:
     async def chat_completions(request: Request) -> Any:
         return await generate(request, chat=True)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Any:
+        body = await request.json()
+        fake.bodies.append(body)
+        n_out = body["max_output_tokens"]
+        usage = {"input_tokens": _prompt_tokens(fake, {"messages": body["input"]}),
+                 "input_tokens_details": {"cached_tokens": 0}, "output_tokens": n_out}  # fmt: skip
+        if not body.get("stream"):
+            text = {"type": "output_text", "text": "tok " * n_out}
+            return {"output": [{"type": "message", "content": [text]}], "usage": usage}
+        return StreamingResponse(_response_events(fake, n_out, usage))
+
     return app
+
+
+async def _response_events(fake: Fake, n_out: int, usage: dict) -> Any:
+    """The Responses API's typed events: no token before the first text delta."""
+
+    def event(kind: str, **fields: Any) -> str:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n"
+
+    yield event("response.created", response={"usage": None})
+    yield event("response.output_item.added", item={"type": "message", "content": []})
+    await asyncio.sleep(fake.first_token_delay)
+    for i in range(n_out):
+        if i:
+            await asyncio.sleep(fake.token_delay)
+        yield event("response.output_text.delta", delta="tok ")
+    yield event("response.output_text.done", text="tok " * n_out)
+    yield event("response.completed", response={"usage": usage})
 
 
 async def _stream(fake: Fake, chat: bool, n_out: int, usage: dict | None) -> Any:
@@ -412,6 +442,30 @@ def test_chat_without_usage_counts_content_chunks():
         assert not rec.usage_reported and rec.output_tokens == 3 and len(rec.itl_s) == 2
         assert rec.ttft_s >= fake.first_token_delay  # the role-only chunk is not a token
     assert all("ignore_eos" not in b and "messages" in b for b in fake.bodies)
+
+
+def test_the_responses_endpoint_gets_conversations_and_its_events_are_timed(capsys):
+    fake = Fake(tokens_per_word=2, chat_overhead=6, tokenize=True)
+    with serve(fake) as url:
+        streamed = bench(url, endpoint="responses", num_prompts=4, turns=2, input_len=20,
+                         output_len=5)  # fmt: skip
+        whole = bench(url, endpoint="responses", num_prompts=2, output_len=3, stream=False)
+        argv = ["--base-url", url, "--endpoint", "responses", "--num-prompts", "2"]
+        assert main([*argv, "--output-len", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"Successful requests:\s+2\n", out), out
+    assert len(fake.bodies) == 8 and all("input" in b for b in fake.bodies)
+    assert streamed.summary.completed == 4 and whole.summary.completed == 2
+    for rec in streamed.requests:
+        assert rec.output_tokens == 5 and len(rec.itl_s) == 4 and rec.usage_reported
+        assert rec.ttft_s >= fake.first_token_delay  # the created event is not a token
+        assert rec.cached_tokens == 0
+    assert [r.prompt_tokens for r in streamed.requests[:2]] == [20, 20]  # first turns
+    assert [r.output_tokens for r in whole.requests] == [3, 3]
+    first, _, second, *_ = fake.bodies
+    assert first["store"] is False and first["max_output_tokens"] == 5 and first["ignore_eos"]
+    assert [m["role"] for m in second["input"]] == ["user", "assistant", "user"]
+    assert second["input"][0] == first["input"][0]
 
 
 def test_failures_are_counted_by_status_and_goodput_uses_the_rest():
