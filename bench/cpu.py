@@ -67,6 +67,7 @@ from bench.loadtest import (
     synthetic_requests,
 )
 from kernels import cpu
+from kernels.weights import Weight
 from models.config import ModelConfig
 from models.fetch import resolve_model
 
@@ -497,7 +498,7 @@ def bench_linear(args: argparse.Namespace) -> int:
     print("|---|---|---|---|---|---|")
     for m in args.rows:
         xs = {k: torch.randn(m, k) for _, k in shapes}
-        ours = timer(lambda xs=xs: [cpu.linear(xs[w.shape[1]], w) for w in weights])
+        ours = timer(lambda xs=xs: [cpu.linear(xs[w.shape[1]], Weight(w)) for w in weights])
         ref = timer(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights])
         flops = nbytes / 2 * m
         print(f"| {m} | {ours * 1e3:.1f} | {nbytes / ours / 1e9:.1f} | {flops / ours / 1e9:.1f} "

@@ -239,8 +239,9 @@ class CpuBackend(TorchBackend):
     prefill attention by torch's fused attention.
 
     ``model_kernels``: whether the kernels also run the model, decided once by the model
-    runner: its float32 linear layers (``prepare``) and, in a step of up to ``cpu.MAX_ROWS``
-    new tokens over float32 caches, all its decoder layers in one call (``decoder_layers``).
+    runner: its float32 and block-format linear layers (``prepare``) and, in a step of up to
+    ``cpu.MAX_ROWS`` new tokens over float32 caches, all its decoder layers in one call
+    (``decoder_layers``).
     Not for a tensor-parallel rank: the fused layer would skip the all-reduces, and a swapped
     projection would drop the hook that makes them."""
 
@@ -285,16 +286,34 @@ class CpuBackend(TorchBackend):
     def prepare(self, model: nn.Module) -> int:
         """Every float32 nn.Linear becomes a ``FastLinear`` over the same parameters (names
         and ties kept): ``cpu.linear`` reads a decode step's weights at the memory's bandwidth,
-        for the LM head and every projection outside the fused layers."""
+        for the LM head and every projection outside the fused layers. Every ``QuantLinear``
+        becomes one over its parts (the same buffers), which multiplies them in their block
+        formats instead of dequantizing them at every call."""
         if not self.model_kernels:
             return 0
+        from kernels.quant import QuantLinear
+
         swapped = 0
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear) and self._cpu.usable(child.weight):
-                    setattr(parent, name, self._cpu.FastLinear(child.weight, child.bias))
-                    swapped += 1
+                    fast = self._cpu.FastLinear.of_linear(child.weight, child.bias)
+                elif isinstance(child, QuantLinear) and self._fits(child.parts):
+                    fast = self._cpu.FastLinear(child.parts)
+                else:
+                    continue
+                setattr(parent, name, fast)
+                swapped += 1
         return swapped
+
+    def _fits(self, parts) -> bool:
+        """Whether the kernel reads these parts: on the CPU, dense ones and biases float32."""
+        return all(
+            p.data.device.type == "cpu"
+            and (p.format != "dense" or self._cpu.usable(p.data))
+            and (p.bias is None or self._cpu.usable(p.bias))
+            for p in parts
+        )
 
     def decoder_layers(self, layers, x, rope, batch):
         """One ``cpu.decoder_layers`` call, which writes and reads the caches itself (decodes
@@ -325,10 +344,11 @@ class TritonBackend(AttentionBackend):
     def __init__(
         self, run: Callable[[Launch], None] = Launch.__call__, sms: int | None = None
     ) -> None:
-        from kernels import rotary, triton_attention
+        from kernels import rotary, triton_attention, triton_quant
 
         self._attention = triton_attention
         self._rotary = rotary
+        self._quant = triton_quant
         self._run = run
         self._sms = sms
 
@@ -356,6 +376,12 @@ class TritonBackend(AttentionBackend):
 
     def rotate_keys(self, cache, blocks, delta, layout):
         self._launch(self._rotary.rotate_launches(cache, blocks, delta, layout))
+
+    def prepare(self, model: nn.Module) -> int:
+        """Every ``QuantLinear`` and ``QuantEmbedding`` becomes its ``kernels.triton_quant``
+        module over the same buffers, launching through ``run``: block-format weights are read
+        as stored, never dequantized whole."""
+        return self._quant.swap_modules(model, self._run)
 
 
 BACKENDS: dict[str, type[AttentionBackend]] = {

@@ -1,4 +1,4 @@
-"""float32 CPU kernels for decode, in C++ with AVX2 (the library under ``csrc/cpu/``).
+"""float32 CPU kernels for decode, in C++ with AVX2 or AVX-512 (the library under ``csrc/cpu/``).
 
 A decode step multiplies a few activation rows by every weight matrix, so its cost is reading
 the weights once. torch's CPU GEMM (MKL) reaches a fraction of the read bandwidth at those
@@ -9,11 +9,18 @@ paged decode attention read straight from the block pool, cache writes, RMSNorm,
 embedding and gated activations. Their plain torch counterparts (``kernels.reference``,
 ``models.layers``) stay the reference the tests compare with.
 
-The library is one file per kind of kernel (``linear``, ``attention``, ``cache``, ``pointwise``,
-``decoder_layer``), over ``vec.h``, the only file written for the instruction set, and
-``threads.h``; ``bindings.cpp`` registers the torch ops. It is built on first use with the system
-C++ compiler and cached by torch (under ``$TORCH_EXTENSIONS_DIR``, default
-~/.cache/torch_extensions); ``load()`` says why not when it cannot be, and the torch path serves
+Weights may stay in their GGUF block formats (``kernels.weights``): the products round the
+activations to 8 bits per group of 32 values (64 for the K formats) and multiply bytes
+(``qlinear``, ``qtiles``), reading a Q4_K matrix at about a seventh of its float32 size.
+
+The library is one file per kind of kernel (``linear``, ``qlinear``, ``qtiles``, ``attention``,
+``cache``, ``pointwise``, ``decoder_layer``), over ``vec.h`` and ``qdot.h``, the files written
+for the instruction set (``qformats.h`` lays out the block formats), and ``threads.h``;
+``bindings.cpp`` and ``layer_args.cpp`` register the torch ops. It is built on first use with
+the system C++ compiler, once per instruction set (``ISAS``: ``avx2``, ``avx512`` with VNNI,
+each its own op namespace), and cached by torch (under ``$TORCH_EXTENSIONS_DIR``, default
+~/.cache/torch_extensions). ``load()`` builds the best one the machine runs
+(``$KVSERVE_CPU_ISA`` forces one) and says why not when it cannot, and the torch path serves
 instead.
 """
 
@@ -29,10 +36,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.weights import DecoderLayerWeights
+from kernels.weights import DecoderLayerWeights, Parts, Weight
 
 SOURCES = Path(__file__).with_name("csrc") / "cpu"
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+FLAGS = ["-O3", "-fopenmp", "-Wall", "-Wextra"]
+# The builds, best last: each the CPU flags (/proc/cpuinfo) it needs and the compiler's. The
+# avx512 one multiplies bytes by AVX-512 VNNI (qdot.h).
+ISAS = {
+    "avx2": ({"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"]),
+    "avx512": (
+        {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
+        ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+    ),
+}
+ISA_ENV = "KVSERVE_CPU_ISA"
 # Input rows up to which ``FastLinear`` takes the kernel and a step's decoder layers are one
 # call; above, F.linear (MKL), as fast from ~1024 rows on and faster at 2048 (measured by
 # ``python -m bench.cpu --linear``).
@@ -49,14 +66,36 @@ def _cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
-@functools.cache
-def load() -> str | None:
-    """Build (once per source version) and load the kernels: None when loaded, else why not."""
+def isas() -> list[str]:
+    """The builds this machine can run, best last (none off x86-64)."""
     if platform.machine() not in ("x86_64", "AMD64"):
-        return f"not on x86-64 ({platform.machine()})"
-    missing = {"avx2", "fma"} - _cpu_flags()
-    if missing:
-        return f"the CPU lacks {', '.join(sorted(missing))}"
+        return []
+    flags = _cpu_flags()
+    return [name for name, (needs, _) in ISAS.items() if needs <= flags]
+
+
+def chosen_isa() -> str | None:
+    """``$KVSERVE_CPU_ISA`` if set, else the best build the machine runs (None: none)."""
+    runnable = isas()
+    forced = os.environ.get(ISA_ENV)
+    if forced:
+        if forced not in ISAS:
+            raise ValueError(f"{ISA_ENV}={forced!r}: known builds are {', '.join(ISAS)}")
+        if forced not in runnable:
+            missing = ISAS[forced][0] - _cpu_flags()
+            raise RuntimeError(
+                f"{ISA_ENV}={forced}: this CPU cannot run it (lacks {', '.join(sorted(missing))})"
+            )
+        return forced
+    return runnable[-1] if runnable else None
+
+
+@functools.cache
+def build(isa: str) -> str | None:
+    """Build (once per source version) and load the ``isa`` library: None when loaded, else
+    why not."""
+    if isa not in isas():
+        return f"the CPU cannot run the {isa} build (or is not x86-64: {platform.machine()})"
     try:
         from torch.utils import cpp_extension
 
@@ -65,9 +104,11 @@ def load() -> str | None:
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         cpp_extension.load(
-            name="kvserve_cpu",
+            name=f"kvserve_cpu_{isa}",
             sources=[str(p) for p in sorted(SOURCES.glob("*.cpp"))],
-            extra_cflags=FLAGS,
+            extra_cflags=[*FLAGS, *ISAS[isa][1], f"-DKVSERVE_OPS=kvserve_cpu_{isa}"],
+            # Both builds may be loaded at once: each calls its own copies of the kernels.
+            extra_ldflags=["-Wl,-Bsymbolic"],
             extra_include_paths=[str(SOURCES)],
             is_python_module=False,
             verbose=False,
@@ -77,13 +118,44 @@ def load() -> str | None:
     return None
 
 
+@functools.cache
+def load() -> str | None:
+    """Build and load the chosen build (``chosen_isa``): None when loaded, else why not."""
+    try:
+        isa = chosen_isa()
+    except (ValueError, RuntimeError) as e:
+        return str(e)
+    if isa is None:
+        if not isas() and platform.machine() in ("x86_64", "AMD64"):
+            return "the CPU lacks avx2, fma or f16c"
+        return f"not on x86-64 ({platform.machine()})"
+    return build(isa)
+
+
+def ops(isa: str | None = None):
+    """The torch ops of the ``isa`` build (built on first use), default the chosen one."""
+    isa = isa or chosen_isa()
+    why = build(isa)
+    if why is not None:
+        raise RuntimeError(why)
+    return getattr(torch.ops, f"kvserve_cpu_{isa}")
+
+
 def _ops():
-    return torch.ops.kvserve_cpu
+    return ops()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """``F.linear`` for float32, weight contiguous [out, in]."""
-    return _ops().linear(x, weight, bias)
+def _as_parts(weights: Parts | Weight) -> Parts:
+    return (weights,) if isinstance(weights, Weight) else tuple(weights)
+
+
+def linear(x: torch.Tensor, parts: Parts | Weight, isa: str | None = None) -> torch.Tensor:
+    """``x`` [..., in] times a matrix in parts (``kernels.weights``): float32 x, dense parts
+    contiguous float32 [out, in], block-format parts as stored; each part's bias added."""
+    parts = _as_parts(parts)
+    return ops(isa).linear(
+        x, [p.data for p in parts], [p.bias for p in parts], [p.type_id for p in parts]
+    )
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int):
@@ -124,10 +196,14 @@ def decoder_layers(
     (``DecoderLayerWeights.named_tensors``): the kernel binds each to its slot by that name."""
     eps, offset, scale, heads, act = config
     named = [w.named_tensors() for w in layers]
-    names = list(named[0]) if named else []
-    weights = [n[name] for n in named for name in names]
+    # Layers may store a matrix in different numbers of parts: the names of all, None where a
+    # layer has no such part.
+    names = list(dict.fromkeys(name for n in named for name in n))
+    weights = [n.get(name) for n in named for name in names]
+    formats = [w.named_formats().get(name, 0) for w in layers for name in names]
     return _ops().decoder_layers(
-        x, [c for c, _ in rope], [s for _, s in rope], names, weights, [k for k, _ in caches],
+        x, [c for c, _ in rope], [s for _, s in rope], names, weights, formats,
+        [k for k, _ in caches],
         [v for _, v in caches], [m.slot_mapping for m in metas], [m.block_tables for m in metas],
         [m.seq_lens for m in metas], [m.prefix_lens for m in metas],
         [m.cu_seqlens_q for m in metas], [m.num_decodes for m in metas],
@@ -140,21 +216,58 @@ def usable(t: torch.Tensor) -> bool:
 
 
 class FastLinear(nn.Module):
-    """``F.linear(x, weight, bias)``, by the kernel for inputs of at most ``max_rows`` rows.
+    """``F.linear`` over a matrix in parts (``kernels.weights.Parts``), by the kernel for
+    inputs of at most ``max_rows`` rows (dense parts: F.linear above; block-format parts: the
+    kernel always, as no torch op reads them).
 
-    Given an nn.Linear's parameters it holds the same objects (names and ties are kept); given
-    plain tensors (a fused weight) they stay plain attributes, not parameters of the model."""
+    ``of_linear`` wraps an nn.Linear's parameters as its ``weight`` and ``bias`` (names and ties
+    kept); parts of another origin are held as ``data<i>`` and ``bias<i>``: buffers, as in
+    ``kernels.quant.QuantLinear``, except a tensor that is already a parameter."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int = MAX_ROWS):
+    def __init__(self, parts: Parts, max_rows: int = MAX_ROWS, names=None):
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.weight, self.bias = weight, bias
+        parts = _as_parts(parts)
+        if not parts or len({p.in_features for p in parts}) != 1:
+            raise ValueError("a FastLinear's parts must share their input size")
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
         self.max_rows = max_rows
+        self._names = tuple(names or ((f"data{i}", f"bias{i}") for i in range(len(parts))))
+        self.formats = tuple(p.format for p in parts)
+        for (data, bias), p in zip(self._names, parts):
+            for name, t in ((data, p.data), (bias, p.bias)):
+                if names is not None or isinstance(t, nn.Parameter):
+                    setattr(self, name, t)
+                else:
+                    self.register_buffer(name, t)
+
+    @classmethod
+    def of_linear(cls, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int = MAX_ROWS):
+        """Over an nn.Linear's weight and bias (the same objects), or plain fused tensors."""
+        return cls((Weight(weight, bias),), max_rows, names=(("weight", "bias"),))
+
+    @property
+    def parts(self) -> Parts:
+        return tuple(
+            Weight(getattr(self, data), getattr(self, bias), fmt)
+            for (data, bias), fmt in zip(self._names, self.formats)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= self.max_rows * self.in_features:
-            return linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        parts = self.parts
+        if x.numel() <= self.max_rows * self.in_features or any(p.format != "dense" for p in parts):
+            return linear(x, parts)
+        weight = torch.cat([p.data for p in parts]) if len(parts) > 1 else parts[0].data
+        biases = [p.bias for p in parts]
+        if all(b is None for b in biases):
+            return F.linear(x, weight)
+        bias = torch.cat([
+            b if b is not None else x.new_zeros(p.out_features) for b, p in zip(biases, parts)
+        ])  # fmt: skip
+        return F.linear(x, weight, bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"formats={'+'.join(self.formats)}"
+        )

@@ -33,29 +33,29 @@ pytestmark = pytest.mark.skipif(why is not None, reason=f"kernels.cpu unavailabl
 def test_linear_matches_f_linear(rows, k):
     torch.manual_seed(rows * 100 + k)
     x, w, b = torch.randn(rows, k), torch.randn(37, k), torch.randn(37)
-    torch.testing.assert_close(cpu.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(cpu.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(cpu.linear(x, Weight(w)), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(cpu.linear(x, Weight(w, b)), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows,k,n", [(200, 1030, 29), (8000, 16, 29), (40, 576, 103)])
 def test_linear_of_many_rows_in_whole_and_partial_tiles(rows, k, n):
     torch.manual_seed(rows)
     x, w, b = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
-    torch.testing.assert_close(cpu.linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(cpu.linear(x, Weight(w, b)), F.linear(x, w, b), rtol=1e-4, atol=1e-3)
 
 
 def test_linear_keeps_leading_dims_and_reads_non_contiguous_input():
     x = torch.randn(2, 3, 40)[:, :, :32]
     w = torch.randn(24, 32)
-    assert cpu.linear(x, w).shape == (2, 3, 24)
-    torch.testing.assert_close(cpu.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    assert cpu.linear(x, Weight(w)).shape == (2, 3, 24)
+    torch.testing.assert_close(cpu.linear(x, Weight(w)), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
 def test_linear_refuses_other_dtypes_and_mismatched_features():
     with pytest.raises(RuntimeError, match="float32"):
-        cpu.linear(torch.randn(1, 8, dtype=torch.bfloat16), torch.randn(4, 8))
+        cpu.linear(torch.randn(1, 8, dtype=torch.bfloat16), Weight(torch.randn(4, 8)))
     with pytest.raises(RuntimeError, match="features"):
-        cpu.linear(torch.randn(1, 9), torch.randn(4, 8))
+        cpu.linear(torch.randn(1, 9), Weight(torch.randn(4, 8)))
 
 
 def _paged(lens, bs, heads, dim, window, seed, filled=None):
@@ -232,13 +232,27 @@ def test_fused_decoder_layers_match_the_modules_and_write_the_same_caches(
     """A step of decodes and prefill chunks through every layer of the model in one kernel call
     (the CPU backend) against the modules layer by layer (the torch backend): hidden states
     and caches."""
-    from kernels.paged import AttentionMetadata, ForwardContext
-
     if threads is not None:
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         request.addfinalizer(lambda: torch.set_num_threads(before))
     cfg, plain, fast = _plain_and_fast(request.getfixturevalue(f"tiny_{model}_dir"))
+    assert len(type(plain).kv_cache_groups(cfg, "float32")) == (2 if model == "gemma3" else 1)
+    (out_fast, caches_fast), (out_plain, caches_plain) = run_step(
+        cfg, fast, plain, seqs, monkeypatch
+    )
+    torch.testing.assert_close(out_fast, out_plain, rtol=1e-4, atol=1e-4)
+    for ours, ref in zip(caches_fast, caches_plain):
+        for a, c in zip(ours, ref):
+            torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def run_step(cfg, fast, plain, seqs, monkeypatch, plain_backend="torch"):
+    """One step of ``seqs`` ((cached tokens, new tokens) per sequence, decodes first) through
+    ``fast`` on the CPU backend, checked to be one ``cpu.decoder_layers`` call, and through
+    ``plain`` on ``plain_backend`` (a name or a backend): each one's (hidden states, caches)."""
+    from kernels.paged import AttentionMetadata, ForwardContext
+
     bs, b = 8, len(seqs)
     prefix = torch.tensor([p for p, _ in seqs], dtype=torch.int32)
     new = torch.tensor([n for _, n in seqs])
@@ -280,26 +294,22 @@ def test_fused_decoder_layers_match_the_modules_and_write_the_same_caches(
                 window=window,
             )  # fmt: skip
         )
-    assert len(groups) == (2 if model == "gemma3" else 1)
     ids = torch.randint(0, cfg.vocab_size, (len(row),), generator=torch.Generator().manual_seed(1))
 
     def run(m, backend):
         copies = [(k.clone(), v.clone()) for k, v in caches]
-        ctx = ForwardContext(
-            get_backend(backend, torch.device("cpu")), metas, copies, tuple(layer_to_group)
-        )
+        if isinstance(backend, str):
+            backend = get_backend(backend, torch.device("cpu"))
+        ctx = ForwardContext(backend, metas, copies, tuple(layer_to_group))
         return m(ids, pos, ctx), copies, ctx
 
     calls = []
     fused = cpu.decoder_layers
     monkeypatch.setattr(cpu, "decoder_layers", lambda *a: calls.append(1) or fused(*a))
-    out_plain, caches_plain, _ = run(plain, "torch")
+    out_plain, caches_plain, _ = run(plain, plain_backend)
     out_fast, caches_fast, _ = run(fast, "cpu")
     assert calls == [1]  # all the layers in one call
-    torch.testing.assert_close(out_fast, out_plain, rtol=1e-4, atol=1e-4)
-    for ours, ref in zip(caches_fast, caches_plain):
-        for a, c in zip(ours, ref):
-            torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5, equal_nan=True)
+    return (out_fast, caches_fast), (out_plain, caches_plain)
 
 
 def _tiny_layer():
@@ -312,9 +322,9 @@ def _tiny_layer():
         return torch.randn(*shape, generator=g) * 0.1
 
     weights = DecoderLayerWeights(
-        input_norm=torch.ones(hidden), qkv=Weight(r((hq + 2 * hkv) * dim, hidden)),
-        o=Weight(r(hidden, hq * dim)), mlp_norm=torch.ones(hidden),
-        gate_up=Weight(r(2 * inter, hidden)), down=Weight(r(hidden, inter)),
+        input_norm=torch.ones(hidden), qkv=(Weight(r((hq + 2 * hkv) * dim, hidden)),),
+        o=(Weight(r(hidden, hq * dim)),), mlp_norm=torch.ones(hidden),
+        gate_up=(Weight(r(2 * inter, hidden)),), down=(Weight(r(hidden, inter)),),
     )  # fmt: skip
     int32 = functools.partial(torch.tensor, dtype=torch.int32)
     meta = SimpleNamespace(  # the fields of AttentionMetadata that the kernel reads
@@ -356,7 +366,7 @@ def test_fused_layer_refuses_unknown_missing_and_misshapen_weights(monkeypatch, 
 @pytest.mark.parametrize("matrix", ["gate_up", "down"])
 def test_fused_layer_refuses_an_mlp_bias_it_would_not_add(matrix):
     weights, run = _tiny_layer()
-    w = getattr(weights, matrix)
-    biased = dataclasses.replace(weights, **{matrix: Weight(w.data, torch.ones(w.out_features))})
+    (w,) = getattr(weights, matrix)
+    biased = dataclasses.replace(weights, **{matrix: (Weight(w.data, torch.ones(w.out_features)),)})
     with pytest.raises(RuntimeError, match=f"'{matrix}_bias' must be None"):
         run(biased)

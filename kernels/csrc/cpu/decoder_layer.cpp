@@ -186,11 +186,11 @@ struct DecoderLayer {
   // thread applies the activation at once.
   void gate_up(const Pass& p) const {
     const LayerScratch& sc = p.sc;
-    p.products.pack(sc.hn, H);
-    Chunks(I, chunk_rows(H, T), p.team().nt, p.next(GATE_UP))
+    const Rows in = p.products.pack(sc.hn, w.gate_up);
+    Chunks(I, chunk_rows(w.gate_up, T), p.team().nt, p.next(GATE_UP))
         .run(p.team().t, [&](int64_t j0, int64_t j1) {
-          linear_rows(w.gate_up, sc.hn, p.products.xt, T, j0, j1, sc.gu);
-          linear_rows(w.gate_up, sc.hn, p.products.xt, T, I + j0, I + j1, sc.gu);
+          linear_rows(w.gate_up, in, j0, j1, sc.gu);
+          linear_rows(w.gate_up, in, I + j0, I + j1, sc.gu);
           for (int64_t r = 0; r < T; ++r)
             gate_row(sc.gu + r * 2 * I + j0, sc.gu + r * 2 * I + I + j0, j1 - j0, act,
                      sc.a + r * I + j0);
@@ -215,8 +215,12 @@ void decoder_layers(const float* x, int64_t T, int64_t H, const std::vector<Laye
                 "the layers must have one shape");
   }
   const auto next = counters(DecoderLayer::USES * L, threads);
-  const int64_t packed = T > FEW ? packed_size(T, std::max({H, nq, I})) : 0;
-  const std::unique_ptr<float[]> xts(new float[threads * packed]);
+  bool dense = false, quantized = false;
+  for (const LayerInputs& in : inputs)
+    for (const Matrix* m : {&in.weights.qkv, &in.weights.o, &in.weights.gate_up, &in.weights.down})
+      dense |= m->has(false), quantized |= m->has(true);
+  const PackSpace size(T, std::max({H, nq, I}), dense, quantized);
+  const std::unique_ptr<char[]> spaces(new char[threads * size.bytes]);
   // Layer l writes outs[(L - 1 - l) % 2], the last one y, and reads its predecessor's output.
   const at::Tensor spare = at::empty({T * H}, at::kFloat);
   float* const outs[2] = {y, spare.data_ptr<float>()};
@@ -224,7 +228,7 @@ void decoder_layers(const float* x, int64_t T, int64_t H, const std::vector<Laye
 #pragma omp parallel num_threads(threads)
   {
     const Team team = Team::current();
-    const Products products{team, T, xts.get() + team.t * packed};
+    const Products products{team, T, size, spaces.get() + team.t * size.bytes};
     for (int64_t l = 0; l < L; ++l) {
       const Pass pass{products, next.get() + l * DecoderLayer::USES * threads, scratch};
       layers[l].run(pass, l == 0 ? x : outs[(L - l) % 2], outs[(L - 1 - l) % 2]);

@@ -80,30 +80,30 @@ __attribute__((noinline)) float one_row(const float* x, int64_t K, const float* 
   return s;
 }
 
-// Output features [n0, n1) of y [MA + MB, N] = x w^T, w having N rows.
+// Output features [n0, n1) of y [MA + MB, ldy] = x w^T, w having N rows.
 template <int MA, int MB>
 void few_rows_of(const float* x, int64_t K, const float* w, int64_t n0, int64_t n1, float* y,
-                 int64_t N) {
+                 int64_t N, int64_t ldy) {
   for (int64_t n = n0; n < n1; n += 3) {
     const int64_t a0 = std::min(N, n + 6), a1 = std::min(N, a0 + 3);
-    by_threes<MA, MB>(x, K, w + n * K, static_cast<int>(std::min<int64_t>(3, n1 - n)), y + n, N,
-                      w + a0 * K, (a1 - a0) * K);
+    by_threes<MA, MB>(x, K, w + n * K, static_cast<int>(std::min<int64_t>(3, n1 - n)), y + n,
+                      ldy, w + a0 * K, (a1 - a0) * K);
   }
 }
 
 void few_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t n0, int64_t n1,
-              float* y, int64_t N) {
+              float* y, int64_t N, int64_t ldy) {
   switch (M) {
     case 1:
       for (int64_t n = n0; n < n1; ++n) y[n] = one_row(x, K, w + n * K);
       break;
-    case 2: few_rows_of<2, 0>(x, K, w, n0, n1, y, N); break;
-    case 3: few_rows_of<3, 0>(x, K, w, n0, n1, y, N); break;
-    case 4: few_rows_of<4, 0>(x, K, w, n0, n1, y, N); break;
-    case 5: few_rows_of<3, 2>(x, K, w, n0, n1, y, N); break;
-    case 6: few_rows_of<3, 3>(x, K, w, n0, n1, y, N); break;
-    case 7: few_rows_of<4, 3>(x, K, w, n0, n1, y, N); break;
-    case 8: few_rows_of<4, 4>(x, K, w, n0, n1, y, N); break;
+    case 2: few_rows_of<2, 0>(x, K, w, n0, n1, y, N, ldy); break;
+    case 3: few_rows_of<3, 0>(x, K, w, n0, n1, y, N, ldy); break;
+    case 4: few_rows_of<4, 0>(x, K, w, n0, n1, y, N, ldy); break;
+    case 5: few_rows_of<3, 2>(x, K, w, n0, n1, y, N, ldy); break;
+    case 6: few_rows_of<3, 3>(x, K, w, n0, n1, y, N, ldy); break;
+    case 7: few_rows_of<4, 3>(x, K, w, n0, n1, y, N, ldy); break;
+    case 8: few_rows_of<4, 4>(x, K, w, n0, n1, y, N, ldy); break;
   }
 }
 
@@ -156,11 +156,11 @@ inline void panel_tile(const float* xt, int64_t K, const float* w, int64_t nr, i
   }
 }
 
-// Output features [n0, n1) of y [M, N] = x w^T, x packed by pack_rows into xt. Broadcasting
+// Output features [n0, n1) of y [M, ldy] = x w^T, x packed by pack_rows into xt. Broadcasting
 // weights against packed input panels needs no horizontal sums, which tiles of dot products
 // would pay for every output.
 void packed_rows(const float* xt, int64_t M, int64_t K, const float* w, int64_t n0, int64_t n1,
-                 float* y, int64_t N) {
+                 float* y, int64_t ldy) {
   const int64_t panels = (M + 7) / 8, groups = (panels + TV - 1) / TV;
   for (int64_t n = n0; n < n1; n += TR) {
     const int64_t nr = std::min<int64_t>(TR, n1 - n);
@@ -173,9 +173,9 @@ void packed_rows(const float* xt, int64_t M, int64_t K, const float* w, int64_t 
       const int64_t v = std::min<int64_t>(TV, panels - g * TV);
       const int64_t mr = std::min(8 * v, M - 8 * TV * g);
       const float* xg = xt + g * TV * K * 8;
-      float* yg = y + 8 * TV * g * N + n;
-      if (v == TV) panel_tile<TR, TV>(xg, K, wn, nr, mr, yg, N);
-      else panel_tile<TR, 1>(xg, K, wn, nr, mr, yg, N);
+      float* yg = y + 8 * TV * g * ldy + n;
+      if (v == TV) panel_tile<TR, TV>(xg, K, wn, nr, mr, yg, ldy);
+      else panel_tile<TR, 1>(xg, K, wn, nr, mr, yg, ldy);
     }
   }
 }
@@ -204,34 +204,51 @@ void pack_rows(const float* x, int64_t M, int64_t K, float* xt) {
   }
 }
 
-// About CHUNK_BYTES of weight rows, a multiple of 8 for few rows (they go in threes and
-// eights) and of 24 (whole tiles) for more.
-int64_t chunk_rows(int64_t K, int64_t M) {
+// About CHUNK_BYTES of weight rows (of the matrix's longest rows), a multiple of 8 for few
+// rows (they go in threes and eights) and of 24 (whole tiles) for more.
+int64_t chunk_rows(const Matrix& m, int64_t M) {
+  int64_t row_bytes = 1;
+  for (int64_t i = 0; i < m.count; ++i) row_bytes = std::max(row_bytes, m.parts[i].row_bytes);
   const int64_t unit = M <= FEW ? 8 : 4 * TR;
-  return std::max<int64_t>(unit, CHUNK_BYTES / (K * 4) / unit * unit);
+  return std::max<int64_t>(unit, CHUNK_BYTES / row_bytes / unit * unit);
 }
 
-void linear_rows(const Matrix& m, const float* x, const float* xt, int64_t M, int64_t n0,
-                 int64_t n1, float* y) {
-  if (M <= FEW) {
-    few_rows(x, M, m.K, m.w, n0, n1, y, m.N);
+// Rows [r0, r1) of part p into y's columns from r0, y [M, ldy].
+static void part_rows(const Part& p, const Rows& in, int64_t K, int64_t r0, int64_t r1, float* y,
+               int64_t ldy) {
+  const QuantPart q{static_cast<const uint8_t*>(p.w), p.row_bytes, p.type};
+  if (p.type != 0 && in.M > FEW && tiles_read(p.type)) {
+    quant_tiles(q, in.xp, in.M, r0, r1, y, ldy, in.scratch);
+  } else if (p.type != 0) {
+    quant_rows(q, in.xq, in.M, r0, r1, y, ldy);
+  } else if (in.M <= FEW) {
+    few_rows(in.x, in.M, K, p.dense(), r0, r1, y, p.rows, ldy);
   } else {
-    packed_rows(xt, M, m.K, m.w, n0, n1, y, m.N);
+    packed_rows(in.xt, in.M, K, p.dense(), r0, r1, y, ldy);
   }
-  if (m.bias != nullptr)
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t n = n0; n < n1; ++n) y[r * m.N + n] += m.bias[n];
+  if (p.bias != nullptr)
+    for (int64_t r = 0; r < in.M; ++r)
+      for (int64_t n = r0; n < r1; ++n) y[r * ldy + n] += p.bias[n];
+}
+
+void linear_rows(const Matrix& m, const Rows& in, int64_t n0, int64_t n1, float* y) {
+  int64_t first = 0;  // the part's first feature
+  for (int64_t i = 0; i < m.count && first < n1; first += m.parts[i++].rows) {
+    const Part& p = m.parts[i];
+    const int64_t r0 = std::max<int64_t>(0, n0 - first), r1 = std::min(p.rows, n1 - first);
+    if (r0 < r1) part_rows(p, in, m.K, r0, r1, y + first, m.N);
+  }
 }
 
 void linear(const Matrix& m, const float* x, int64_t M, float* y) {
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), (m.N + 15) / 16);
   const auto next = counters(1, threads);
-  const int64_t packed = M > FEW ? packed_size(M, m.K) : 0;
-  const std::unique_ptr<float[]> xts(new float[threads * packed]);
+  const PackSpace size(M, m.K, m.has(false), m.has(true));
+  const std::unique_ptr<char[]> spaces(new char[threads * size.bytes]);
 #pragma omp parallel num_threads(threads)
   {
     const Team team = Team::current();
-    const Products products{team, M, xts.get() + team.t * packed};
+    const Products products{team, M, size, spaces.get() + team.t * size.bytes};
     products.multiply(m, x, y, next.get(), [](int64_t, int64_t) {});
   }
 }

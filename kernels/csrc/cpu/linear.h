@@ -2,21 +2,57 @@
 // torch. Decode multiplies a few activation rows by every weight matrix, so the work is
 // reading the weights once: each thread owns runs of output features and reads their weight
 // rows front to back, once. More rows (prefill chunks) are packed into panels that register
-// tiles reuse, near the FMA peak.
+// tiles reuse, near the FMA peak. Parts stored in GGUF block formats go through qlinear.h.
 #pragma once
 
 #include <cstdint>
 
+#include "qlinear.h"
 #include "threads.h"
 
 namespace kvserve {
 
-// A weight matrix w [N, K] (N output features of K inputs, rows K apart) and its bias [N] or
-// nullptr.
-struct Matrix {
-  const float* w;
+// One part of a weight matrix: `rows` output features of K inputs, stored dense (type 0: float
+// rows K apart) or in a GGUF block format (type its GGML id: rows of row_bytes bytes, see
+// qlinear.h), and its bias [rows] or nullptr.
+struct Part {
+  const void* w;
   const float* bias;
-  int64_t N, K;
+  int64_t rows, row_bytes, type;
+
+  const float* dense() const { return static_cast<const float*>(w); }
+};
+
+constexpr int64_t MAX_PARTS = 3;
+
+// A weight matrix [N, K]: up to MAX_PARTS parts stacked by output rows (q|k in one format and
+// v in another, say), N their rows in all.
+struct Matrix {
+  Part parts[MAX_PARTS]{};
+  int64_t count = 0, N = 0, K = 0;
+
+  static Matrix dense(const float* w, const float* bias, int64_t N, int64_t K) {
+    Matrix m;
+    m.add({w, bias, N, K * 4, 0});
+    m.K = K;
+    return m;
+  }
+  void add(const Part& p) {
+    parts[count++] = p;
+    N += p.rows;
+  }
+  bool has(bool quantized) const {
+    for (int64_t i = 0; i < count; ++i)
+      if ((parts[i].type != 0) == quantized) return true;
+    return false;
+  }
+  // The activations' rounding group for the block-format parts: KGROUP where one is of a K
+  // format (qlinear.h).
+  int64_t group() const {
+    for (int64_t i = 0; i < count; ++i)
+      if (parts[i].type != 0 && block_values(parts[i].type) == 256) return KGROUP;
+    return 32;
+  }
 };
 
 constexpr int64_t FEW = 8;  // up to this many input rows, the weight rows go against x as is
@@ -28,33 +64,72 @@ inline int64_t packed_size(int64_t M, int64_t K) { return (M + 7) / 8 * 8 * K; }
 // past M.
 void pack_rows(const float* x, int64_t M, int64_t K, float* xt);
 
-// Output features per chunk that the threads claim, for M input rows of K floats.
-int64_t chunk_rows(int64_t K, int64_t M);
+// Output features per chunk that the threads claim, for M input rows of m.
+int64_t chunk_rows(const Matrix& m, int64_t M);
 
-// Output features [n0, n1) of y [M, m.N] = x [M, m.K] m.w^T (+ m.bias): one thread's chunk.
-// With more than FEW rows, xt holds x packed by pack_rows.
-void linear_rows(const Matrix& m, const float* x, const float* xt, int64_t M, int64_t n0,
-                 int64_t n1, float* y);
+// The input of a product, x [M, K], as its parts read it: as is, packed by pack_rows into xt
+// (dense parts, more than FEW rows) and rounded into xq (block-format parts).
+struct Rows {
+  const float* x;
+  const float* xt;
+  QRows xq;
+  QPanels xp;  // xq again, in panels for more than FEW rows
+  uint8_t* scratch;  // unpacked weight rows for more than FEW rows (unpack_bytes)
+  int64_t M;
+};
 
-// One thread's side of the products of a parallel region whose inputs have M rows; xt: its own
-// packing space (packed_size(M, the largest K) floats, used above FEW rows). Each thread packs
-// the input for itself: no barrier between the packing and the products.
+// Output features [n0, n1) of y [M, m.N] = x [M, m.K] m^T (+ bias): one thread's chunk, which
+// may cross parts.
+void linear_rows(const Matrix& m, const Rows& in, int64_t n0, int64_t n1, float* y);
+
+// A thread's packing space for inputs of M rows of at most K values: float panels (dense
+// parts, above FEW rows) and rounded rows (block-format parts).
+struct PackSpace {
+  int64_t floats, rows, panels, bytes;
+
+  PackSpace(int64_t M, int64_t K, bool dense, bool quantized)
+      : floats(dense && M > FEW ? (packed_size(M, K) + 15) / 16 * 16 : 0),
+        rows(quantized ? (QRows::bytes(M, K) + 63) / 64 * 64 : 0),
+        panels(quantized && M > FEW ? (QPanels::bytes(M, K) + 63) / 64 * 64 : 0),
+        bytes(floats * 4 + rows + panels + (panels > 0 ? unpack_bytes(K) : 0)) {}
+};
+
+// One thread's side of the products of a parallel region whose inputs have M rows; space: its
+// own packing space (PackSpace). Each thread packs the input for itself: no barrier between
+// the packing and the products.
 struct Products {
   Team team;
   int64_t M;
-  float* xt;
+  PackSpace size;
+  char* space;
 
-  void pack(const float* x, int64_t K) const {
-    if (M > FEW) pack_rows(x, M, K, xt);
+  Rows pack(const float* x, const Matrix& m) const {
+    Rows in{x, nullptr, {}, {}, nullptr, M};
+    float* xt = reinterpret_cast<float*>(space);
+    if (M > FEW && m.has(false)) {
+      pack_rows(x, M, m.K, xt);
+      in.xt = xt;
+    }
+    if (m.has(true)) {
+      char* q = space + size.floats * 4;
+      in.xq = QRows::at(q, M, m.K);
+      quantize_rows(x, M, m.group(), in.xq);
+      if (M > FEW) {
+        in.xp = QPanels::at(q + size.rows, M, m.K);
+        pack_panels(in.xq, M, in.xp);
+        in.scratch = reinterpret_cast<uint8_t*>(q + size.rows + size.panels);
+      }
+    }
+    return in;
   }
 
   // y [M, m.N] = x m^T, the chunks this thread claims through `next` (a zeroed counter per
   // thread); after(n0, n1) once a chunk's features are written.
   template <class F>
   void multiply(const Matrix& m, const float* x, float* y, Counter* next, F&& after) const {
-    pack(x, m.K);
-    Chunks(m.N, chunk_rows(m.K, M), team.nt, next).run(team.t, [&](int64_t n0, int64_t n1) {
-      linear_rows(m, x, xt, M, n0, n1, y);
+    const Rows in = pack(x, m);
+    Chunks(m.N, chunk_rows(m, M), team.nt, next).run(team.t, [&](int64_t n0, int64_t n1) {
+      linear_rows(m, in, n0, n1, y);
       after(n0, n1);
     });
   }

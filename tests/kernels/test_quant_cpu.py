@@ -1,0 +1,291 @@
+"""The C++ CPU kernels on weights in GGUF block formats, against the reference: the weights
+dequantized by gguf-py (``kernels.quant.dequantize``) and multiplied in float64.
+
+The kernels round each activation row to int8 per block (of 64 values where the matrix has a
+K-format part, summed in integers with those formats' sub-scales; of 32 otherwise, as Q8_0),
+scale max|x| / 127. Rounding moves
+a value by at most half a step, max|x over its block| / 254, so an output can be off by at most
+``sum_k |w[n, k]| * max|x over k's block| / 254``: the bound each output is held to (times
+1.02, plus float32 rounding of the sums). Every other step is exact integer arithmetic or
+float32 sums.
+
+Block contents: the 32-value formats come from gguf-py's quantizer; the K formats (which it does
+not quantize) are random bits under finite, modest fp16 scales, or rows of a real model file
+when one is in the cache (``~/.cache/kvserve/gguf``).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import cpu
+from kernels.quant import QuantLinear, dequantize, quantize
+from kernels.weights import FORMATS, DecoderLayerWeights, Weight
+
+why = cpu.load()
+pytestmark = pytest.mark.skipif(why is not None, reason=f"kernels.cpu unavailable: {why}")
+
+BLOCK_FORMATS = [f for f in FORMATS if f != "dense"]
+K_FORMATS = ("q4_k", "q5_k", "q6_k")
+# Byte offsets of the fp16 scales in a block: (d offsets, their magnitude).
+K_SCALES = {"q4_k": ((0, 2), 0.01), "q5_k": ((0, 2), 0.01), "q6_k": ((208,), 0.004)}
+GGUF_CACHE = Path.home() / ".cache" / "kvserve" / "gguf"
+
+
+def random_blocks(fmt: str, n: int, k: int, seed: int, size: float = 1.0) -> torch.Tensor:
+    """uint8 [n, row bytes] of format ``fmt``: quantized random rows (32-value formats), random
+    bits under finite fp16 scales (K formats); values of about ``size``."""
+    g = torch.Generator().manual_seed(seed)
+    if fmt not in K_FORMATS:
+        return quantize(torch.randn(n, k, generator=g) * size, fmt)
+    spec = FORMATS[fmt]
+    blocks = torch.randint(0, 256, (n, k // spec.block, spec.block_bytes), generator=g)
+    blocks = blocks.to(torch.uint8)
+    offsets, magnitude = K_SCALES[fmt]
+    for off in offsets:
+        scale = (torch.rand(n, k // spec.block, generator=g) * magnitude * size).half()
+        blocks[:, :, off : off + 2] = scale.view(torch.uint8).view(n, k // spec.block, 2)
+    return blocks.view(n, -1)
+
+
+def reference(x: torch.Tensor, parts) -> torch.Tensor:
+    w = torch.cat([dequantize(p).double() for p in parts])
+    y = x.double() @ w.T
+    biases = [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]
+    return y + torch.cat(biases).double()
+
+
+def bound(x: torch.Tensor, parts) -> torch.Tensor:
+    """The largest error activation rounding allows per output (module docstring)."""
+    block = 64 if any(p.format in K_FORMATS for p in parts) else 32
+    w = torch.cat([dequantize(p).double() for p in parts]).abs()
+    amax = x.double().abs().view(x.shape[0], -1, block).amax(-1)
+    step = amax.repeat_interleave(block, dim=1) / 254
+    return 1.02 * step @ w.T + 1e-5 * (x.double().abs() @ w.T) + 1e-5
+
+
+def assert_within_bound(y, x, parts):
+    err = (y.double() - reference(x, parts)).abs()
+    limit = bound(x, parts)
+    worst = (err / limit).max().item()
+    assert worst <= 1.0, f"error {worst:.3f} times the rounding bound"
+
+
+@pytest.mark.parametrize("isa", cpu.isas())
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 64])
+def test_linear_of_each_format_within_the_rounding_bound(isa, fmt, rows):
+    k = 3 * FORMATS[fmt].block if fmt in K_FORMATS else 160
+    w = Weight(random_blocks(fmt, 37, k, seed=rows), None, fmt)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    x[:, :5] *= 8  # an outlier per row, as activations have
+    assert_within_bound(cpu.linear(x, w, isa=isa), x, (w,))
+
+
+@pytest.mark.parametrize("isa", cpu.isas())
+@pytest.mark.parametrize(
+    "formats",
+    [("q4_k", "q6_k"), ("q5_0", "q8_0", "dense"), ("q4_k", "q8_0"), ("q4_1", "q5_1", "q4_0")],
+)
+@pytest.mark.parametrize("rows", [1, 7, 30])
+def test_mixed_parts_with_biases_are_stacked_by_rows(isa, formats, rows):
+    k = 512
+    g = torch.Generator().manual_seed(len(formats) * 100 + rows)
+    parts = tuple(
+        Weight(torch.randn(n, k, generator=g), torch.randn(n, generator=g))
+        if fmt == "dense"
+        else Weight(random_blocks(fmt, n, k, seed=n), torch.randn(n, generator=g), fmt)
+        for fmt, n in zip(formats, (19, 13, 6))
+    )
+    x = torch.randn(rows, k, generator=g)
+    assert_within_bound(cpu.linear(x, parts, isa=isa), x, parts)
+
+
+def test_both_builds_give_the_same_sums():
+    """The byte products are exact integers on either instruction set."""
+    if len(cpu.isas()) < 2:
+        pytest.skip("one build on this machine")
+    w = Weight(random_blocks("q4_k", 24, 512, seed=3), None, "q4_k")
+    x = torch.randn(5, 512)
+    outs = [cpu.linear(x, w, isa=isa) for isa in cpu.isas()]
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-5)
+
+
+def test_linear_refuses_a_misshapen_or_unknown_block_format():
+    w = Weight(torch.zeros(4, 34, dtype=torch.uint8), None, "q8_0")  # one block: 32 inputs
+    with pytest.raises(RuntimeError, match="features"):
+        cpu.linear(torch.randn(1, 64), w)
+    with pytest.raises(RuntimeError, match="unknown format"):
+        cpu.ops().linear(torch.randn(1, 64), [w.data], [None], [99])
+    with pytest.raises(RuntimeError, match="whole blocks of 34 bytes"):
+        cpu.ops().linear(torch.randn(1, 32), [torch.zeros(4, 35, dtype=torch.uint8)], [None], [8])
+
+
+@functools.cache
+def _file_rows(rows: int = 24) -> dict[str, torch.Tensor]:
+    """The first rows of a tensor of each block format in the smaller cached GGUF files (the
+    reader's start-up grows with the file's vocabulary)."""
+    from gguf import GGUFReader
+
+    found: dict[str, torch.Tensor] = {}
+    files = sorted(GGUF_CACHE.glob("*.gguf"), key=lambda p: p.stat().st_size)
+    for path in [p for p in files if p.stat().st_size < 300e6]:
+        for t in GGUFReader(path).tensors:
+            fmt = t.tensor_type.name.lower()
+            if fmt in FORMATS and fmt not in found and len(t.data.shape) == 2:
+                found[fmt] = torch.from_numpy(t.data[:rows].copy())
+    return found
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_rows_of_a_real_model_file(fmt):
+    data = _file_rows().get(fmt) if GGUF_CACHE.is_dir() else None
+    if data is None:
+        pytest.skip(f"no {fmt} tensor in the model files under {GGUF_CACHE}")
+    w = Weight(data, None, fmt)
+    x = torch.randn(9, w.in_features)
+    for isa in cpu.isas():
+        assert_within_bound(cpu.linear(x, w, isa=isa), x, (w,))
+
+
+def test_fast_linear_over_quantized_parts_keeps_buffers_and_output():
+    parts = (
+        Weight(random_blocks("q4_k", 20, 256, seed=1), torch.randn(20), "q4_k"),
+        Weight(random_blocks("q6_k", 12, 256, seed=2), None, "q6_k"),
+    )
+    ref = QuantLinear(parts)
+    fast = cpu.FastLinear(ref.parts)
+    assert dict(fast.named_buffers()).keys() == dict(ref.named_buffers()).keys()
+    assert all(a.data is b.data for a, b in zip(fast.parts, parts))
+    x = torch.randn(3, 256)
+    assert_within_bound(fast(x), x, parts)
+
+
+@pytest.fixture(scope="module")
+def wide_llama_dir(tmp_path_factory):
+    """A tiny Llama whose matrices take K formats (inputs a multiple of 256), with biases."""
+    from tests.helpers import save_tiny_llama
+
+    path = tmp_path_factory.mktemp("wide-llama")
+    save_tiny_llama(path, hidden_size=256, intermediate_size=512, attention_bias=True)
+    return path
+
+
+def _quantized(model):
+    """The model's projections as QuantLinear parts of mixed formats (q|k, v; gate, up)."""
+    from models.layers import DecoderLayer
+
+    plan = {"qkv_proj": ("q4_k", "q6_k"), "o_proj": ("q5_0",), "gate_up_proj": ("q4_k", "q8_0"),
+            "down_proj": ("q6_k",)}  # fmt: skip
+    for layer in model.modules():
+        if not isinstance(layer, DecoderLayer):
+            continue
+        for parent in (layer.self_attn, layer.mlp):
+            for name, formats in plan.items():
+                linear = getattr(parent, name, None)
+                if linear is None:
+                    continue
+                w, b = linear.weight.detach(), linear.bias
+                cut = w.shape[0] - (layer.self_attn.num_kv_heads * layer.self_attn.head_dim
+                                    if name == "qkv_proj" else w.shape[0] // 2)  # fmt: skip
+                pieces = [(0, cut), (cut, w.shape[0])] if len(formats) == 2 else [(0, w.shape[0])]
+                setattr(parent, name, QuantLinear(tuple(
+                    Weight(_to_format(w[i:j], f), None if b is None else b.detach()[i:j], f)
+                    for f, (i, j) in zip(formats, pieces)
+                )))  # fmt: skip
+
+
+def _to_format(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """w in ``fmt``: quantized where gguf-py can, else random K blocks scaled like w."""
+    if fmt not in K_FORMATS:
+        return quantize(w, fmt)
+    return random_blocks(fmt, w.shape[0], w.shape[1], seed=w.shape[0], size=0.02)
+
+
+def _quantized_model(model_dir, prepared: bool):
+    from kernels.backend import get_backend
+    from models.config import ModelConfig
+    from models.loader import load_model
+
+    cfg = ModelConfig.from_dir(model_dir)
+    model = load_model(cfg, torch.float32, torch.device("cpu"))
+    _quantized(model)
+    if prepared:
+        assert get_backend("cpu", torch.device("cpu")).prepare(model) > 0
+        assert not any(isinstance(m, QuantLinear) for m in model.modules())
+    return cfg, model
+
+
+@pytest.mark.parametrize("seqs", [[(5, 1), (17, 1)], [(3, 1), (0, 12)], [(0, 40)]])
+def test_fused_layers_on_quantized_parts_match_the_modules(wide_llama_dir, monkeypatch, seqs):
+    """One ``cpu.decoder_layers`` call against the same layers module by module: with the
+    kernel's FastLinear modules (the same rounding: float32 agreement), and with the
+    QuantLinear modules on the torch path (the reference: within the activations' rounding)."""
+    from kernels.backend import CpuBackend
+    from tests.kernels.test_cpu import run_step
+
+    cfg, fast = _quantized_model(wide_llama_dir, prepared=True)
+    _, modules = _quantized_model(wide_llama_dir, prepared=True)
+    _, plain = _quantized_model(wide_llama_dir, prepared=False)
+    unfused = CpuBackend()
+    unfused.decoder_layers = lambda *args: None  # module by module, on the kernels
+    (out_fast, caches_fast), (out_modules, caches_modules) = run_step(
+        cfg, fast, modules, seqs, monkeypatch, plain_backend=unfused
+    )
+    torch.testing.assert_close(out_fast, out_modules, rtol=1e-4, atol=1e-4)
+    for ours, ref in zip(caches_fast, caches_modules):
+        for a, c in zip(ours, ref):
+            torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4, equal_nan=True)
+    (out_fast, _), (out_plain, _) = run_step(cfg, fast, plain, seqs, monkeypatch)
+    # Each product is held to its rounding bound above; through two layers the roundings of
+    # activations grouped by 256 compound to a few percent of the hidden state.
+    assert (out_fast - out_plain).norm() <= 0.05 * out_plain.norm()
+
+
+def test_the_isa_variable_forces_a_build_the_machine_can_run(monkeypatch):
+    monkeypatch.setattr(cpu, "_cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    monkeypatch.setattr(cpu.platform, "machine", lambda: "x86_64")
+    assert cpu.isas() == ["avx2"]
+    assert cpu.chosen_isa() == "avx2"
+    monkeypatch.setenv(cpu.ISA_ENV, "avx512")
+    with pytest.raises(RuntimeError, match="cannot run it .lacks avx512_vnni, avx512bw"):
+        cpu.chosen_isa()
+    monkeypatch.setenv(cpu.ISA_ENV, "sse2")
+    with pytest.raises(ValueError, match="known builds are avx2, avx512"):
+        cpu.chosen_isa()
+
+
+def test_fused_layers_may_store_a_matrix_in_different_numbers_of_parts():
+    """Layers of one model split a matrix differently (Q4_K_M keeps v in Q6_K in some layers
+    only): layer 0's qkv in two parts, layer 1's in one, against both in one part."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(0)
+    hidden, hq, hkv, dim, inter = 64, 2, 1, 32, 64
+    r = lambda *shape: torch.randn(*shape, generator=g) * 0.1  # noqa: E731
+    qkv = r((hq + 2 * hkv) * dim, hidden)
+    one = DecoderLayerWeights(
+        input_norm=torch.ones(hidden), qkv=(Weight(qkv),), o=(Weight(r(hidden, hq * dim)),),
+        mlp_norm=torch.ones(hidden), gate_up=(Weight(r(2 * inter, hidden)),),
+        down=(Weight(r(hidden, inter)),),
+    )  # fmt: skip
+    two = dataclasses.replace(one, qkv=(Weight(qkv[:96]), Weight(qkv[96:])))
+    int32 = functools.partial(torch.tensor, dtype=torch.int32)
+    meta = SimpleNamespace(
+        slot_mapping=torch.tensor([5]), block_tables=int32([[0, 1]]), seq_lens=int32([6]),
+        prefix_lens=int32([5]), cu_seqlens_q=int32([0, 1]), num_decodes=1, window=0,
+    )  # fmt: skip
+    x, cache = r(1, hidden), (r(2, 4, hkv, dim), r(2, 4, hkv, dim))
+    rope = [(torch.ones(1, dim), torch.zeros(1, dim))] * 2
+    config = (1e-6, 0.0, dim**-0.5, hq, "silu")
+
+    def run(layers):
+        caches = [tuple(c.clone() for c in cache) for _ in layers]
+        return cpu.decoder_layers(x, rope, layers, caches, [meta, meta], config)
+
+    torch.testing.assert_close(run([two, one]), run([one, one]), rtol=1e-6, atol=1e-6)
