@@ -242,7 +242,9 @@ def resolve_model(name_or_path: str, progress: bool = True) -> Path:
         return path
     if name_or_path in ALIASES:
         return fetch(name_or_path, progress=progress)
-    if path.suffix.lower() == ".gguf" and path.is_file():
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"{name_or_path!r}: no such GGUF file")
         return served_gguf(path)
     raise ValueError(
         f"{name_or_path!r} is neither a model folder nor a known alias "

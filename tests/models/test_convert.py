@@ -239,8 +239,8 @@ def test_resolve_model_accepts_folders_and_rejects_unknown_names(tmp_path):
     assert resolve_model(str(tmp_path)) == tmp_path
     with pytest.raises(ValueError, match="smollm2-135m-instruct"):
         resolve_model("no-such-model")
-    # llama.cpp users pass the .gguf file itself: the message says how to serve it.
-    with pytest.raises(ValueError, match=r"is a GGUF file: convert it first \(kvserve convert"):
+    # llama.cpp users pass the .gguf file itself: one that is not there is named as such.
+    with pytest.raises(ValueError, match=r"model.Q8_0.gguf': no such GGUF file"):
         resolve_model(str(tmp_path / "model.Q8_0.gguf"))
 
 
