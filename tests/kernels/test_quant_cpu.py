@@ -1,13 +1,13 @@
 """The C++ CPU kernels on weights in GGUF block formats, against the reference: the weights
 dequantized by gguf-py (``kernels.quant.dequantize``) and multiplied in float64.
 
-The kernels round each activation row to int8 per block (of 64 values where the matrix has a
-K-format part, summed in integers with those formats' sub-scales; of 32 otherwise, as Q8_0),
-scale max|x| / 127. Rounding moves
-a value by at most half a step, max|x over its block| / 254, so an output can be off by at most
-``sum_k |w[n, k]| * max|x over k's block| / 254``: the bound each output is held to (times
-1.02, plus float32 rounding of the sums). Every other step is exact integer arithmetic or
-float32 sums.
+The kernels round each activation row to two int8 digits per block, x = d (q + ql / 254) with
+d = max|x over its block| / 127 (blocks of 64 values where the matrix has a K-format part,
+summed in integers with those formats' sub-scales; of 32 otherwise, as Q8_0). A value moves by
+at most half the low digit's step, d / 508, and an output by at most
+``sum_k |w[n, k]| * max|x over k's block| / (127 * 508)``: the bound each output is held to
+(times 1.02, plus float32 rounding of the sums). Every other step is exact integer arithmetic
+or float32 sums.
 
 Block contents: the 32-value formats come from gguf-py's quantizer; the K formats (which it does
 not quantize) are random bits under finite, modest fp16 scales, or rows of a real model file
@@ -64,7 +64,7 @@ def bound(x: torch.Tensor, parts) -> torch.Tensor:
     block = 64 if any(p.format in K_FORMATS for p in parts) else 32
     w = torch.cat([dequantize(p).double() for p in parts]).abs()
     amax = x.double().abs().view(x.shape[0], -1, block).amax(-1)
-    step = amax.repeat_interleave(block, dim=1) / 254
+    step = amax.repeat_interleave(block, dim=1) / (127 * 508)
     return 1.02 * step @ w.T + 1e-5 * (x.double().abs() @ w.T) + 1e-5
 
 
@@ -223,8 +223,10 @@ def _quantized_model(model_dir, prepared: bool):
 @pytest.mark.parametrize("seqs", [[(5, 1), (17, 1)], [(3, 1), (0, 12)], [(0, 40)]])
 def test_fused_layers_on_quantized_parts_match_the_modules(wide_llama_dir, monkeypatch, seqs):
     """One ``cpu.decoder_layers`` call against the same layers module by module: with the
-    kernel's FastLinear modules (the same rounding: float32 agreement), and with the
-    QuantLinear modules on the torch path (the reference: within the activations' rounding)."""
+    kernel's FastLinear modules, and with the QuantLinear modules on the torch path (the
+    reference). The two routes give the products inputs that differ in the last bits, which
+    round to other low digits; each is held to the two digits' precision (5e-5 to 7e-5 of the
+    hidden state's norm measured here, where int8 activations alone gave a few percent)."""
     from kernels.backend import CpuBackend
     from tests.kernels.test_cpu import run_step
 
@@ -236,14 +238,18 @@ def test_fused_layers_on_quantized_parts_match_the_modules(wide_llama_dir, monke
     (out_fast, caches_fast), (out_modules, caches_modules) = run_step(
         cfg, fast, modules, seqs, monkeypatch, plain_backend=unfused
     )
-    torch.testing.assert_close(out_fast, out_modules, rtol=1e-4, atol=1e-4)
+
+    def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+        a, b = a.nan_to_num(), b.nan_to_num()  # unused cache slots hold NaN in both
+        return ((a - b).norm() / b.norm()).item()
+
+    assert relative(out_fast, out_modules) <= 2e-4
     for ours, ref in zip(caches_fast, caches_modules):
         for a, c in zip(ours, ref):
-            torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4, equal_nan=True)
+            assert relative(a, c) <= 2e-4
+            assert torch.equal(a.isnan(), c.isnan())
     (out_fast, _), (out_plain, _) = run_step(cfg, fast, plain, seqs, monkeypatch)
-    # Each product is held to its rounding bound above; through two layers the roundings of
-    # activations grouped by 256 compound to a few percent of the hidden state.
-    assert (out_fast - out_plain).norm() <= 0.05 * out_plain.norm()
+    assert relative(out_fast, out_plain) <= 2e-4
 
 
 def test_the_isa_variable_forces_a_build_the_machine_can_run(monkeypatch):

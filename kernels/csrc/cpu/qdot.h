@@ -61,6 +61,13 @@ KVSERVE_INLINE bytes32 dot_scaled(bytes32 acc, bytes32 u, bytes32 s, bytes32 sc)
 #endif
 }
 KVSERVE_INLINE bytes32 zero32() { return _mm256_setzero_si256(); }
+// The base of two-digit activations (quantize_row): 254, so that the low digit of a value,
+// its remainder (at most half a step) times the base, fits in an int8 without clamping.
+constexpr int DIGIT_BASE = 254;
+// Each 32-bit lane times DIGIT_BASE: 256 a - 2 a.
+KVSERVE_INLINE bytes32 times_base(bytes32 a) {
+  return _mm256_sub_epi32(_mm256_slli_epi32(a, 8), _mm256_slli_epi32(a, 1));
+}
 KVSERVE_INLINE bytes32 add_ints(bytes32 a, bytes32 b) { return _mm256_add_epi32(a, b); }
 KVSERVE_INLINE void store32(void* p, bytes32 v) { _mm256_storeu_si256(static_cast<bytes32*>(p), v); }
 // The 4 bytes at p in every 32-bit lane.
@@ -98,6 +105,15 @@ constexpr int VECTOR_REGISTERS = 16;
 // As dot_us for signed w: |w| against s with w's signs.
 KVSERVE_INLINE bytes32 dot_signed(bytes32 w, bytes32 s) {
   return dot_us(_mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w));
+}
+
+// Eight int32 lanes of DIGIT_BASE dot(w, hi) + dot(w, lo), for weight bytes w (signed where SIGNED,
+// else below 64) and the two digits of activations (quantize_row); each lane's four products
+// keep it far inside 32 bits.
+template <bool SIGNED>
+KVSERVE_INLINE bytes32 two_digit_dot(bytes32 w, bytes32 hi, bytes32 lo) {
+  if constexpr (SIGNED) return add_ints(times_base(dot_signed(w, hi)), dot_signed(w, lo));
+  return dot_acc(times_base(dot_us(w, hi)), w, lo);
 }
 
 // The 32 values of 16 bytes of nibbles: low nibbles first, then high.
@@ -182,33 +198,42 @@ inline float absmax32(const float* x) {
   return top;
 }
 
-// One row of activations, K a multiple of group (32 or 256), rounded to int8 q with scale d
-// (max |x| / 127 over each group), d kept per block of 32; s32 and s16 hold d times the sums
-// of q per 32 and per 16.
-inline void quantize_row(const float* x, int64_t K, int64_t group, int8_t* q, float* d,
-                         float* s32, float* s16) {
+// The 32 rounded values of four vectors as bytes, in order.
+KVSERVE_INLINE bytes32 floats_to_bytes(const vec8* r) {
+  const bytes32 w16 =
+      _mm256_packs_epi16(_mm256_packs_epi32(_mm256_cvtps_epi32(r[0]), _mm256_cvtps_epi32(r[1])),
+                         _mm256_packs_epi32(_mm256_cvtps_epi32(r[2]), _mm256_cvtps_epi32(r[3])));
+  // The packs interleave the 128-bit halves: put the four runs of 8 back in order.
+  return _mm256_permutevar8x32_epi32(w16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+KVSERVE_INLINE vec8 round8(vec8 v) {
+  return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+// One row of activations, K a multiple of group (32 or 256), rounded to two int8 digits with
+// scale d (max |x| / 127 over each group), d kept per block of 32: x = d (q + ql / DIGIT_BASE)
+// to within d / (2 DIGIT_BASE), about the precision of 16-bit integers, so that the products
+// drift from float32 ones by about what float32 sums do. s32 and s16 hold d times the sums of
+// q + ql / DIGIT_BASE per 32 and per 16.
+inline void quantize_row(const float* x, int64_t K, int64_t group, int8_t* q, int8_t* ql,
+                         float* d, float* s32, float* s16) {
   float top = 0.f;
   for (int64_t b = 0; b < K / 32; ++b) {
     if (b % (group / 32) == 0) {
       top = 0.f;
       for (int64_t i = 0; i < group / 32; ++i) top = std::max(top, absmax32(x + 32 * (b + i)));
     }
-    vec8 v[4];
-    for (int i = 0; i < 4; ++i) v[i] = load8(x + 32 * b + 8 * i);
     const float scale = top / 127.f, inv = top > 0.f ? 127.f / top : 0.f;
-    bytes32 ints[4];
-    vec8 sums[2] = {zero8(), zero8()};
+    vec8 hi[4], lo[4], sums[2] = {zero8(), zero8()};
     for (int i = 0; i < 4; ++i) {
-      const vec8 r = _mm256_round_ps(mul8(v[i], splat8(inv)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      sums[i / 2] = add8(sums[i / 2], r);
-      ints[i] = _mm256_cvtps_epi32(r);
+      const vec8 v = mul8(load8(x + 32 * b + 8 * i), splat8(inv));
+      hi[i] = round8(v);
+      lo[i] = round8(mul8(sub8(v, hi[i]), splat8(DIGIT_BASE)));
+      sums[i / 2] = add8(sums[i / 2], fma8(lo[i], splat8(1.f / DIGIT_BASE), hi[i]));
     }
-    const bytes32 w16 = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]),
-                                           _mm256_packs_epi32(ints[2], ints[3]));
-    // The packs interleave the 128-bit halves: put the four runs of 8 back in order.
-    _mm256_storeu_si256(reinterpret_cast<bytes32*>(q + 32 * b),
-                        _mm256_permutevar8x32_epi32(w16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    store32(q + 32 * b, floats_to_bytes(hi));
+    store32(ql + 32 * b, floats_to_bytes(lo));
     d[b] = scale;
     s16[2 * b] = scale * hsum(sums[0]);
     s16[2 * b + 1] = scale * hsum(sums[1]);

@@ -35,13 +35,13 @@ struct RowSums {
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) {
         const int64_t u = (m0 + m) * nu + u0;
-        const bytes32 xv = load32(x.q + u * 32);
-        const bytes32 dots = F::SIGNED ? dot_signed(q, xv) : dot_us(q, xv);
-        acc[c][m] = fma8(to_float(dots), blk.scale_times(0, x.d[u]), acc[c][m]);
+        const bytes32 dots = two_digit_dot<F::SIGNED>(q, load32(x.q + u * 32), load32(x.ql + u * 32));
+        acc[c][m] = fma8(to_float(dots), blk.scale_times(0, x.d[u] / DIGIT_BASE), acc[c][m]);
         if constexpr (F::HAS_MIN) facc[c][m] += blk.min() * x.s32[u];
       }
     } else {
-      // Units in pairs: an activation group of KGROUP values has one scale.
+      // Units in pairs: an activation group of KGROUP values has one scale. The digits' sums
+      // go to floats apart, as the sub-scales could take the high one's past 32 bits.
 #pragma GCC unroll 4
       for (int pair = 0; pair < F::UNITS / 2; ++pair) {
         const int j = 2 * pair, c = pair % C;
@@ -50,9 +50,12 @@ struct RowSums {
 #pragma GCC unroll 8
         for (int m = 0; m < M; ++m) {
           const int64_t u = (m0 + m) * nu + u0 + j;
-          const bytes32 sum = dot_scaled(dot_scaled(zero32(), q0, load32(x.q + u * 32), sc0), q1,
-                                         load32(x.q + (u + 1) * 32), sc1);
-          acc[c][m] = fma8(to_float(sum), splat8(blk.d * x.d[u]), acc[c][m]);
+          const bytes32 hi = dot_scaled(dot_scaled(zero32(), q0, load32(x.q + u * 32), sc0), q1,
+                                        load32(x.q + (u + 1) * 32), sc1);
+          const bytes32 lo = dot_scaled(dot_scaled(zero32(), q0, load32(x.ql + u * 32), sc0), q1,
+                                        load32(x.ql + (u + 1) * 32), sc1);
+          const vec8 sum = fma8(to_float(hi), splat8(DIGIT_BASE), to_float(lo));
+          acc[c][m] = fma8(sum, splat8(blk.d * x.d[u] / DIGIT_BASE), acc[c][m]);
         }
       }
       for (int m = 0; m < M; ++m) {
@@ -131,8 +134,8 @@ int64_t block_bytes(int64_t type) { return All::bytes(type); }
 void quantize_rows(const float* x, int64_t M, int64_t group, const QRows& xq) {
   const int64_t K = xq.K, nu = K / 32;
   for (int64_t m = 0; m < M; ++m)
-    quantize_row(x + m * K, K, group, xq.q + m * K, xq.d + m * nu, xq.s32 + m * nu,
-                 xq.s16 + 2 * m * nu);
+    quantize_row(x + m * K, K, group, xq.q + m * K, xq.ql + m * K, xq.d + m * nu,
+                 xq.s32 + m * nu, xq.s16 + 2 * m * nu);
 }
 
 void quant_rows(const QuantPart& p, const QRows& xq, int64_t M, int64_t r0, int64_t r1, float* y,

@@ -8,49 +8,55 @@
 
 namespace kvserve {
 
-// Activations x [M, K] rounded to int8 with a scale per group of 32 values (Q8_0's rounding)
-// or, for a matrix with K-format parts, of KGROUP values, over which the products of those
-// formats sum in integers with the formats' integer sub-scales (as llama.cpp's Q8_K does over
-// 256; 64 rounds outliers of a few channels with fewer of their neighbours): row m's values
-// q + m K, scales d + m K / 32 (one per 32, equal within a group), and the scaled sums of its
-// values per 32 (s32) and per 16 (s16), which the weights' offsets multiply.
+// Activations x [M, K] rounded to two int8 digits, x = d (q + ql / DIGIT_BASE) (quantize_row), with
+// a scale d per group of 32 values (Q8_0's grouping) or, for a matrix with K-format parts, of
+// KGROUP values, over which the products of those formats sum in integers with the formats'
+// integer sub-scales (as llama.cpp's Q8_K does over 256; 64 rounds outliers of a few channels
+// with fewer of their neighbours): row m's digits q + m K and ql + m K, scales d + m K / 32
+// (one per 32, equal within a group), and the scaled sums of its values per 32 (s32) and per
+// 16 (s16), which the weights' offsets multiply. Each product is the high digit's integer sum
+// times DIGIT_BASE plus the low digit's.
 constexpr int64_t KGROUP = 64;
 
 struct QRows {
-  int8_t* q;
+  int8_t *q, *ql;
   float *d, *s32, *s16;
   int64_t K;
 
   // Bytes of the rounded rows of x [M, K].
-  static int64_t bytes(int64_t M, int64_t K) { return M * K + M * (K / 32) * 8 + M * (K / 16) * 4; }
+  static int64_t bytes(int64_t M, int64_t K) {
+    return 2 * M * K + M * (K / 32) * 8 + M * (K / 16) * 4;
+  }
 
   // The view of `bytes(M, K)` bytes at p (64-byte aligned) for rows of K values.
   static QRows at(void* p, int64_t M, int64_t K) {
     int8_t* q = static_cast<int8_t*>(p);
-    float* d = reinterpret_cast<float*>(q + M * K);
-    return {q, d, d + M * (K / 32), d + 2 * M * (K / 32), K};
+    float* d = reinterpret_cast<float*>(q + 2 * M * K);
+    return {q, q + M * K, d, d + M * (K / 32), d + 2 * M * (K / 32), K};
   }
 };
 
 // x [M, K] rounded into xq with a scale per `group` values (32 or KGROUP, dividing K).
 void quantize_rows(const float* x, int64_t M, int64_t group, const QRows& xq);
 
-// QRows rearranged for many rows (more than 8, qtiles.cpp): panels of 8 rows, panel g's values
-// q + g 8 K as [K / 4][8 rows][4 values] (a vector holds 4 values of each of 8 rows), its
-// scales and sums d, s32 + g 8 K / 32 as [K / 32][8 rows], s16 + g 8 K / 16 as [K / 16][8 rows];
-// zero for rows past M.
+// QRows rearranged for many rows (more than 8, qtiles.cpp): panels of 8 rows, panel g's digits
+// q + g 8 K and ql + g 8 K as [K / 4][8 rows][4 values] (a vector holds 4 values of each of 8
+// rows), its scales and sums d, s32 + g 8 K / 32 as [K / 32][8 rows], s16 + g 8 K / 16 as
+// [K / 16][8 rows]; zero for rows past M.
 struct QPanels {
-  int8_t* q;
+  int8_t *q, *ql;
   float *d, *s32, *s16;
   int64_t K, panels;
 
-  static int64_t bytes(int64_t M, int64_t K) { return (M + 7) / 8 * 8 * (K + K / 32 * 8 + K / 16 * 4); }
+  static int64_t bytes(int64_t M, int64_t K) {
+    return (M + 7) / 8 * 8 * (2 * K + K / 32 * 8 + K / 16 * 4);
+  }
 
   static QPanels at(void* p, int64_t M, int64_t K) {
     const int64_t rows = (M + 7) / 8 * 8;
     int8_t* q = static_cast<int8_t*>(p);
-    float* d = reinterpret_cast<float*>(q + rows * K);
-    return {q, d, d + rows * (K / 32), d + 2 * rows * (K / 32), K, rows / 8};
+    float* d = reinterpret_cast<float*>(q + 2 * rows * K);
+    return {q, q + rows * K, d, d + rows * (K / 32), d + 2 * rows * (K / 32), K, rows / 8};
   }
 };
 

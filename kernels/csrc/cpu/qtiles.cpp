@@ -30,6 +30,22 @@ void unpack(const QuantPart& p, int64_t K, int64_t r0, int64_t n, uint8_t* q, fl
   }
 }
 
+// sums[r][v] + the byte products of weight rows wr[r] and panel digits x[v] over the S
+// values from k0.
+template <int VT>
+KVSERVE_INLINE void sub_sums(const uint8_t* const* wr, const int8_t* const* x, int64_t k0,
+                             int64_t S, bytes32 (&sums)[R][VT]) {
+#pragma GCC unroll 8
+  for (int64_t k = k0; k < k0 + S; k += 4) {
+    bytes32 xv[VT];
+    for (int v = 0; v < VT; ++v) xv[v] = load32(x[v] + k * 8);
+    for (int r = 0; r < R; ++r) {
+      const bytes32 w = splat4(wr[r] + k);
+      for (int v = 0; v < VT; ++v) sums[r][v] = dot_acc(sums[r][v], w, xv[v]);
+    }
+  }
+}
+
 // y[i ldy + r] = dot(x row 8 g + i, w row r) for r < nr and i < mr, the panels g .. g + VT - 1
 // against the unpacked rows (q, sc, mn as unpack leaves them).
 template <class F, int VT>
@@ -39,7 +55,7 @@ void tile(const uint8_t* q, const float* sc, const float* mn, const QPanels& xp,
   const int64_t K = xp.K, subs = K / S;
   vec8 acc[R][VT];
   const uint8_t* wr[R];
-  const int8_t* xq[VT];
+  const int8_t *xq[VT], *xl[VT];
   const float *xd[VT], *xs[VT];
   for (int r = 0; r < R; ++r) {
     wr[r] = q + (r < nr ? r : 0) * K;
@@ -47,6 +63,7 @@ void tile(const uint8_t* q, const float* sc, const float* mn, const QPanels& xp,
   }
   for (int v = 0; v < VT; ++v) {
     xq[v] = xp.q + (g + v) * 8 * K;
+    xl[v] = xp.ql + (g + v) * 8 * K;
     xd[v] = xp.d + (g + v) * 8 * (K / 32);
     xs[v] = S == 16 ? xp.s16 + (g + v) * 8 * (K / 16) : xp.s32 + (g + v) * 8 * (K / 32);
   }
@@ -54,17 +71,14 @@ void tile(const uint8_t* q, const float* sc, const float* mn, const QPanels& xp,
     bytes32 sums[R][VT];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < VT; ++v) sums[r][v] = zero32();
-#pragma GCC unroll 8
-    for (int64_t k = s * S; k < (s + 1) * S; k += 4) {
-      bytes32 xv[VT];
-      for (int v = 0; v < VT; ++v) xv[v] = load32(xq[v] + k * 8);
-      for (int r = 0; r < R; ++r) {
-        const bytes32 w = splat4(wr[r] + k);
-        for (int v = 0; v < VT; ++v) sums[r][v] = dot_acc(sums[r][v], w, xv[v]);
-      }
-    }
+    // The high digit's sums, times DIGIT_BASE, then the low digit's added (two_digit_dot).
+    sub_sums<VT>(wr, xq, s * S, S, sums);
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < VT; ++v) sums[r][v] = times_base(sums[r][v]);
+    sub_sums<VT>(wr, xl, s * S, S, sums);
     for (int v = 0; v < VT; ++v) {
-      const vec8 dx = load8(xd[v] + s * S / 32 * 8), xsum = load8(xs[v] + s * 8);
+      const vec8 dx = mul8(load8(xd[v] + s * S / 32 * 8), splat8(1.f / DIGIT_BASE));
+      const vec8 xsum = load8(xs[v] + s * 8);
       for (int r = 0; r < R; ++r) {
         const int64_t i = (r < nr ? r : 0) * subs + s;
         acc[r][v] = fma8(to_float(sums[r][v]), mul8(splat8(sc[i]), dx), acc[r][v]);
@@ -114,8 +128,12 @@ void pack_panels(const QRows& xq, int64_t M, const QPanels& xp) {
     for (int64_t i = 0; i < 8; ++i) {
       const int64_t row = 8 * g + i;
       int8_t* q = xp.q + g * 8 * K + 4 * i;
+      int8_t* ql = xp.ql + g * 8 * K + 4 * i;
       for (int64_t k = 0; k < K; k += 4)
-        for (int64_t c = 0; c < 4; ++c) q[k * 8 + c] = row < M ? xq.q[row * K + k + c] : 0;
+        for (int64_t c = 0; c < 4; ++c) {
+          q[k * 8 + c] = row < M ? xq.q[row * K + k + c] : 0;
+          ql[k * 8 + c] = row < M ? xq.ql[row * K + k + c] : 0;
+        }
       for (int64_t u = 0; u < nu; ++u) {
         xp.d[(g * nu + u) * 8 + i] = row < M ? xq.d[row * nu + u] : 0.f;
         xp.s32[(g * nu + u) * 8 + i] = row < M ? xq.s32[row * nu + u] : 0.f;
