@@ -181,6 +181,8 @@ def resident_bytes(pid: int) -> int:
     included)."""
     total = 0
     for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():  # self, thread-self and the kernel's files
+            continue
         try:
             status = (proc / "status").read_text()
             stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()

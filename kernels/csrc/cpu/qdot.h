@@ -211,11 +211,12 @@ KVSERVE_INLINE vec8 round8(vec8 v) {
   return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
-// One row of activations, K a multiple of group (32 or 256), rounded to two int8 digits with
-// scale d (max |x| / 127 over each group), d kept per block of 32: x = d (q + ql / DIGIT_BASE)
-// to within d / (2 DIGIT_BASE), about the precision of 16-bit integers, so that the products
-// drift from float32 ones by about what float32 sums do. s32 and s16 hold d times the sums of
-// q + ql / DIGIT_BASE per 32 and per 16.
+// One row of activations, K a multiple of group (32 or 256), rounded to two int8 digits: with
+// scale = max |x| / 127 over each group, x = scale (q + ql / DIGIT_BASE) to within
+// scale / (2 DIGIT_BASE), about the precision of 16-bit integers, so that the products drift
+// from float32 ones by about what float32 sums do. d holds the low digit's step,
+// scale / DIGIT_BASE, per block of 32 (equal within a group): x = d (DIGIT_BASE q + ql), the
+// sum the byte products form. s32 and s16 hold the sums of x's rounded values per 32 and 16.
 inline void quantize_row(const float* x, int64_t K, int64_t group, int8_t* q, int8_t* ql,
                          float* d, float* s32, float* s16) {
   float top = 0.f;
@@ -234,7 +235,7 @@ inline void quantize_row(const float* x, int64_t K, int64_t group, int8_t* q, in
     }
     store32(q + 32 * b, floats_to_bytes(hi));
     store32(ql + 32 * b, floats_to_bytes(lo));
-    d[b] = scale;
+    d[b] = scale / DIGIT_BASE;
     s16[2 * b] = scale * hsum(sums[0]);
     s16[2 * b + 1] = scale * hsum(sums[1]);
     s32[b] = s16[2 * b] + s16[2 * b + 1];

@@ -36,7 +36,7 @@ struct RowSums {
       for (int m = 0; m < M; ++m) {
         const int64_t u = (m0 + m) * nu + u0;
         const bytes32 dots = two_digit_dot<F::SIGNED>(q, load32(x.q + u * 32), load32(x.ql + u * 32));
-        acc[c][m] = fma8(to_float(dots), blk.scale_times(0, x.d[u] / DIGIT_BASE), acc[c][m]);
+        acc[c][m] = fma8(to_float(dots), blk.scale_times(0, x.d[u]), acc[c][m]);
         if constexpr (F::HAS_MIN) facc[c][m] += blk.min() * x.s32[u];
       }
     } else {
@@ -55,7 +55,7 @@ struct RowSums {
           const bytes32 lo = dot_scaled(dot_scaled(zero32(), q0, load32(x.ql + u * 32), sc0), q1,
                                         load32(x.ql + (u + 1) * 32), sc1);
           const vec8 sum = fma8(to_float(hi), splat8(DIGIT_BASE), to_float(lo));
-          acc[c][m] = fma8(sum, splat8(blk.d * x.d[u] / DIGIT_BASE), acc[c][m]);
+          acc[c][m] = fma8(sum, splat8(blk.d * x.d[u]), acc[c][m]);
         }
       }
       for (int m = 0; m < M; ++m) {

@@ -8,14 +8,14 @@
 
 namespace kvserve {
 
-// Activations x [M, K] rounded to two int8 digits, x = d (q + ql / DIGIT_BASE) (quantize_row), with
-// a scale d per group of 32 values (Q8_0's grouping) or, for a matrix with K-format parts, of
-// KGROUP values, over which the products of those formats sum in integers with the formats'
-// integer sub-scales (as llama.cpp's Q8_K does over 256; 64 rounds outliers of a few channels
-// with fewer of their neighbours): row m's digits q + m K and ql + m K, scales d + m K / 32
-// (one per 32, equal within a group), and the scaled sums of its values per 32 (s32) and per
-// 16 (s16), which the weights' offsets multiply. Each product is the high digit's integer sum
-// times DIGIT_BASE plus the low digit's.
+// Activations x [M, K] rounded to two int8 digits, x = d (DIGIT_BASE q + ql) (quantize_row),
+// d the low digit's step, one per group of 32 values (Q8_0's grouping) or, for a matrix with
+// K-format parts, of KGROUP values, over which the products of those formats sum in integers
+// with the formats' integer sub-scales (as llama.cpp's Q8_K does over 256; 64 rounds outliers
+// of a few channels with fewer of their neighbours): row m's digits q + m K and ql + m K, steps
+// d + m K / 32 (one per 32, equal within a group), and the sums of its values per 32 (s32) and
+// per 16 (s16), which the weights' offsets multiply. Each product is the high digit's integer
+// sum times DIGIT_BASE plus the low digit's.
 constexpr int64_t KGROUP = 64;
 
 struct QRows {

@@ -77,7 +77,7 @@ void tile(const uint8_t* q, const float* sc, const float* mn, const QPanels& xp,
       for (int v = 0; v < VT; ++v) sums[r][v] = times_base(sums[r][v]);
     sub_sums<VT>(wr, xl, s * S, S, sums);
     for (int v = 0; v < VT; ++v) {
-      const vec8 dx = mul8(load8(xd[v] + s * S / 32 * 8), splat8(1.f / DIGIT_BASE));
+      const vec8 dx = load8(xd[v] + s * S / 32 * 8);
       const vec8 xsum = load8(xs[v] + s * 8);
       for (int r = 0; r < R; ++r) {
         const int64_t i = (r < nr ? r : 0) * subs + s;
