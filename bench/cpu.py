@@ -304,7 +304,7 @@ def bench_servers(args: argparse.Namespace) -> int:
     bandwidth = [box_bandwidth()]
     kind, step = next(iter(step_bytes.items()))
     print(
-        f"box: {os.cpu_count()} cores, {_cpu_model()}; read bandwidth {bandwidth[0] / 1e9:.1f} "
+        f"box: {os.cpu_count()} cores, {cpu_model()}; read bandwidth {bandwidth[0] / 1e9:.1f} "
         f"GB/s; {kind} weights read per step {step / 1e6:.0f} MB (roofline "
         f"{bandwidth[0] / step:.1f} tok/s)",
         flush=True,
@@ -513,7 +513,7 @@ def _write(args, results, bandwidth, step_bytes, text: str) -> None:
     command = "python -m bench.cpu " + " ".join(sys.argv[1:])
     meta = {
         "date": stamp.isoformat(timespec="seconds"), "command": command,
-        "box": f"{os.cpu_count()} cores, {_cpu_model()}", "torch": torch.__version__,
+        "box": f"{os.cpu_count()} cores, {cpu_model()}", "torch": torch.__version__,
         "python": platform.python_version(), "read_bandwidth_gb_s": [b / 1e9 for b in bandwidth],
         "weight_bytes_per_step": step_bytes, "config": {k: v for k, v in vars(args).items()},
     }  # fmt: skip
@@ -529,7 +529,7 @@ def _write(args, results, bandwidth, step_bytes, text: str) -> None:
     print(f"wrote {prefix}.md and .json")
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

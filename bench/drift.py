@@ -143,7 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         cmd = "python -m bench.drift " + " ".join(argv if argv is not None else sys.argv[1:])
-        Path(f"{args.out}.md").write_text(f"# Quantized-path drift\n\n{stamp}, `{cmd}`\n\n{text}\n")
+        from bench.cpu import cpu_model
+
+        box = f"{os.cpu_count()} cores, {cpu_model()}, torch {torch.__version__}"
+        Path(f"{args.out}.md").write_text(
+            f"# Quantized-path drift\n\n{stamp}, {box}, `{cmd}`\n\n{text}\n"
+        )
         Path(f"{args.out}.json").write_text(json.dumps(rows, indent=2) + "\n")
     return 0
 
