@@ -77,7 +77,7 @@ def assert_within_bound(y, x, parts):
 
 @pytest.mark.parametrize("isa", cpu.isas())
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 8, 9, 17, 64])
 def test_linear_of_each_format_within_the_rounding_bound(isa, fmt, rows):
     k = 3 * FORMATS[fmt].block if fmt in K_FORMATS else 160
     w = Weight(random_blocks(fmt, 37, k, seed=rows), None, fmt)

@@ -73,8 +73,8 @@ struct Rows {
   const float* x;
   const float* xt;
   QRows xq;
-  QPanels xp;  // xq again, in panels for more than FEW rows
-  uint8_t* scratch;  // unpacked weight rows for more than FEW rows (unpack_bytes)
+  QPanels xp;  // xq again, in panels for more than QFEW rows
+  uint8_t* scratch;  // unpacked weight rows for more than QFEW rows (unpack_bytes)
   int64_t M;
 };
 
@@ -90,7 +90,7 @@ struct PackSpace {
   PackSpace(int64_t M, int64_t K, bool dense, bool quantized)
       : floats(dense && M > FEW ? (packed_size(M, K) + 15) / 16 * 16 : 0),
         rows(quantized ? (QRows::bytes(M, K) + 63) / 64 * 64 : 0),
-        panels(quantized && M > FEW ? (QPanels::bytes(M, K) + 63) / 64 * 64 : 0),
+        panels(quantized && M > QFEW ? (QPanels::bytes(M, K) + 63) / 64 * 64 : 0),
         bytes(floats * 4 + rows + panels + (panels > 0 ? unpack_bytes(K) : 0)) {}
 };
 
@@ -114,7 +114,7 @@ struct Products {
       char* q = space + size.floats * 4;
       in.xq = QRows::at(q, M, m.K);
       quantize_rows(x, M, m.group(), in.xq);
-      if (M > FEW) {
+      if (M > QFEW) {
         in.xp = QPanels::at(q + size.rows, M, m.K);
         pack_panels(in.xq, M, in.xp);
         in.scratch = reinterpret_cast<uint8_t*>(q + size.rows + size.panels);

@@ -95,8 +95,11 @@ template <class F, int M>
 void weight_rows(const QuantPart& p, const QRows& x, int64_t m0, int64_t r0, int64_t r1,
                  float* y, int64_t ldy) {
   const int64_t nb = p.row_bytes / F::BYTES;
-  for (int64_t n = r0; n < r1; ++n)
+  const int64_t ahead = std::max<int64_t>(1, PREFETCH_BYTES / p.row_bytes);
+  for (int64_t n = r0; n < r1; ++n) {
+    if (n + ahead < r1) prefetch_bytes_l2(p.w + (n + ahead) * p.row_bytes, p.row_bytes);
     one_weight_row<F, M>(p.w + n * p.row_bytes, nb, x, m0, y + m0 * ldy + n, ldy);
+  }
 }
 
 // Rows in groups of up to 8; for more than 8 the chunk's weight rows are read once per group,

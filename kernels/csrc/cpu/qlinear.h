@@ -62,6 +62,16 @@ struct QPanels {
 
 void pack_panels(const QRows& xq, int64_t M, const QPanels& xp);
 
+// Up to this many input rows, block-format products go a weight row at a time against the
+// rows (quant_rows); more go through weight rows unpacked once and register tiles
+// (quant_tiles), which cost less per input row.
+constexpr int64_t QFEW = 5;
+
+// Bytes of weight rows requested into L2 ahead of the row being multiplied or unpacked. A row
+// is short (864 bytes for 1536 Q4_K values) and its products take long enough that the
+// hardware prefetchers alone left one input row at a third of the read bandwidth from DRAM.
+constexpr int64_t PREFETCH_BYTES = 4096;
+
 // One part of a matrix in block format `type` (a GGML type id): rows of row_bytes bytes.
 struct QuantPart {
   const uint8_t* w;

@@ -14,13 +14,16 @@ constexpr int64_t UNPACK_ROWS = 24;
 // 2 x R x V sums (bytes and floats) in registers, plus V activations and a broadcast.
 constexpr int R = VECTOR_REGISTERS >= 32 ? 4 : 2, V = 2;
 
-// Rows [r0, r0 + n) of the part unpacked: values q [n][K], scales sc and mins mn [n][K / SUB].
+// Rows [r0, r0 + n) of the part unpacked (rows up to end prefetched): values q [n][K], scales sc and mins mn [n][K / SUB].
 template <class F>
-void unpack(const QuantPart& p, int64_t K, int64_t r0, int64_t n, uint8_t* q, float* sc,
-            float* mn) {
+void unpack(const QuantPart& p, int64_t K, int64_t r0, int64_t n, int64_t end, uint8_t* q,
+            float* sc, float* mn) {
+  // The rows `ahead` on, up to the chunk's end, requested into L2 (as weight_rows does).
+  const int64_t ahead = std::max<int64_t>(1, PREFETCH_BYTES / p.row_bytes);
   const int64_t nb = K / F::BLOCK, subs = K / F::SUB, per = F::BLOCK / F::SUB;
   for (int64_t r = 0; r < n; ++r) {
     const uint8_t* w = p.w + (r0 + r) * p.row_bytes;
+    if (r + ahead < end - r0) prefetch_bytes_l2(w + ahead * p.row_bytes, p.row_bytes);
     for (int64_t b = 0; b < nb; ++b) {
       const F blk(w + b * F::BYTES);
       for (int j = 0; j < F::UNITS; ++j)
@@ -103,7 +106,7 @@ void tiles_of(const QuantPart& p, const QPanels& xp, int64_t M, int64_t r0, int6
   float* mn = sc + UNPACK_ROWS * subs;
   for (int64_t c0 = r0; c0 < r1; c0 += UNPACK_ROWS) {
     const int64_t n = std::min(UNPACK_ROWS, r1 - c0);
-    unpack<F>(p, K, c0, n, q, sc, mn);
+    unpack<F>(p, K, c0, n, r1, q, sc, mn);
     for (int64_t g = 0; g < xp.panels; g += V) {
       const int64_t mr = std::min<int64_t>(8 * V, M - 8 * g);
       for (int64_t r = 0; r < n; r += R) {

@@ -48,6 +48,12 @@ KVSERVE_INLINE void prefetch_l2(const float* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
 }
 
+// Requests the n bytes at p into L2, a cache line at a time.
+inline void prefetch_bytes_l2(const void* p, int64_t n) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < n; i += 64) _mm_prefetch(c + i, _MM_HINT_T1);
+}
+
 // The sum of v's lanes.
 inline float hsum(vec8 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
