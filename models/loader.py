@@ -126,7 +126,24 @@ def load_model(
         quantize_linears(model, quantization)
     if tp.size > 1:
         all_reduce_row_outputs(model)
+    _return_freed_memory()
     return model.eval()
+
+
+def _return_freed_memory() -> None:
+    """Hands the heap's free pages back to the system (glibc's malloc_trim). Loading copies
+    every tensor once or twice (out of the file, then packed); glibc keeps the freed copies'
+    pages, about half the weights' size (500 MB for Qwen2.5-Coder-1.5B), resident otherwise."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc
+        trim = None
+    if trim is not None:
+        trim(0)
 
 
 def quantize_linears(model: nn.Module, fmt: str) -> None:
