@@ -10,8 +10,9 @@ embedding and gated activations. Their plain torch counterparts (``kernels.refer
 ``models.layers``) stay the reference the tests compare with.
 
 Weights may stay in their GGUF block formats (``kernels.weights``): the products round the
-activations to 8 bits per group of 32 values (64 for the K formats) and multiply bytes
-(``qlinear``, ``qtiles``), reading a Q4_K matrix at about a seventh of its float32 size.
+activations to two int8 digits per group of 32 values (64 for the K formats), x = d (254 q + ql),
+and multiply bytes (``qlinear``, ``qtiles``), reading a Q4_K matrix at about a seventh of its
+float32 size.
 
 The library is one file per kind of kernel (``linear``, ``qlinear``, ``qtiles``, ``attention``,
 ``cache``, ``pointwise``, ``decoder_layer``), over ``vec.h`` and ``qdot.h``, the files written
