@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.core.context_overflow import CONTEXT_POLICIES, DEFAULT_POLICY, ContextOverflow
 from engine.core.preemption import PREEMPTION_MODES
+from engine.core.speculation import SPECULATIVE_METHODS, SpeculativeConfig
 from engine.worker.config import RunnerConfig, resolve_device
 from kernels.backend import backend_names, default_backend
 from kernels.weights import QUANTIZABLE
@@ -25,6 +26,7 @@ from models.kv_spec import DTYPES
 
 ENGINE = "engine"
 OVERFLOW = "overflow policies (a request may override the context one)"
+SPECULATIVE = 'speculative decoding (a request may turn it off: "speculative": false)'
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,35 @@ class EngineArgs:
         when_none="unbounded",
     )  # fmt: skip
 
+    speculative_model: str | None = setting(
+        None,
+        "draft model (folder, .gguf file or alias) with the target's tokenizer; drafts are "
+        "verified by the target in one step, output unchanged",
+        group=SPECULATIVE,
+        when_none="none",
+    )
+    speculative_method: str | None = setting(
+        None,
+        "ngram: drafts from earlier occurrences of the last tokens (prompt lookup); "
+        "draft_model: from --speculative-model",
+        choices=SPECULATIVE_METHODS,
+        group=SPECULATIVE,
+        when_none="draft_model with --speculative-model, else off",
+    )
+    num_speculative_tokens: int | None = setting(
+        None,
+        "tokens drafted per step",
+        group=SPECULATIVE,
+        when_none="adaptive, up to 8: what measured acceptance and step costs make pay, "
+        "0 where a step is compute-bound",
+    )
+    prompt_lookup_max: int = setting(
+        4, "longest n-gram the ngram method matches", group=SPECULATIVE
+    )
+    prompt_lookup_min: int = setting(
+        1, "shortest n-gram the ngram method matches", group=SPECULATIVE
+    )
+
     def __post_init__(self) -> None:
         checks = [
             (_power_of_two(self.block_size), "block_size"),
@@ -174,6 +205,23 @@ class EngineArgs:
             if not ok:
                 raise ValueError(f"invalid {name}: {getattr(self, name, None)!r}")
         self.default_overflow()  # the one check of the three context settings
+        self.speculative_config()  # and of the speculative ones
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """Speculative decoding's settings, None when it is off."""
+        method = self.speculative_method
+        if method is None and self.speculative_model is not None:
+            method = "draft_model"
+        if method is None:
+            if self.num_speculative_tokens is not None:
+                raise ValueError("--num-speculative-tokens needs a speculative method")
+            return None
+        if (method == "draft_model") != (self.speculative_model is not None):
+            raise ValueError("--speculative-model goes with the draft_model method, and only there")
+        return SpeculativeConfig(
+            method, self.num_speculative_tokens, ngram_min=self.prompt_lookup_min,
+            ngram_max=self.prompt_lookup_max,
+        )  # fmt: skip
 
     def default_overflow(self) -> ContextOverflow:
         """The server's context-overflow choice, which a request's ``overflow`` replaces."""

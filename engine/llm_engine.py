@@ -27,6 +27,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.detokenizer import IncrementalDetokenizer
 from engine.metrics import EngineMetrics
+from engine.worker.drafter import Drafter
 from engine.worker.memory import MemoryProfile
 from engine.worker.model_runner import ModelRunner
 from engine.worker.structured import Grammars
@@ -80,8 +81,17 @@ class LLMEngine:
         self.workers = Workers(runner_config) if tp_size > 1 else None
         self.runner = ModelRunner(runner_config, TPRank(0, tp_size), self.grammars)
         dtype = runner_config.dtype
+        self.speculation = args.speculative_config()
+        self.drafter = None
+        if self.speculation is not None and self.speculation.method == "draft_model":
+            draft_path = resolve_model(args.speculative_model)
+            draft_config = args.runner_config(ModelConfig.from_dir(draft_path), eos)
+            self.drafter = Drafter(draft_config, args.max_num_batched_tokens)
+            self.drafter.check(self.runner.groups, vocab)
         self.cache_config = self._cache_config(self.runner.groups)
         self.runner.allocate_kv_cache(self.cache_config)
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(self.cache_config)
         if self.workers is not None:
             self.workers.start(self.cache_config)
         eager = "--enforce-eager" if args.enforce_eager else self.runner.graphs_unavailable()
@@ -103,16 +113,17 @@ class LLMEngine:
         )
         self.default_overflow = args.default_overflow()
         self.scheduler = Scheduler(
-            sched_config, self.kv, context_policy(self.default_overflow), eos
+            sched_config, self.kv, context_policy(self.default_overflow), eos, self.speculation
         )
         self.admission = Admission(args.max_queue_len, args.max_queued_tokens)
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(speculation=self.speculation)
         self.metrics.describe_cache(
             self.cache_config,
             self.max_model_len,
             context_overflow=args.context_overflow,
             preemption_mode=args.preemption_mode,
             enable_prefix_caching=self.kv.prefix_caching,
+            speculative_method=self.speculation.method if self.speculation else "off",
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         # Prompt logprobs gathered chunk by chunk until the request's first output.
@@ -144,7 +155,11 @@ class LLMEngine:
         """Pools from --num-kv-blocks, or sized to the KV memory; a swap pool with swap."""
         args, max_len = self.args, self.max_model_len
         if args.num_kv_blocks is None:
-            blocks = split_memory(groups, self._kv_memory_bytes(), args.block_size, max_len)
+            memory = self._kv_memory_bytes()
+            if self.drafter is not None:  # a block holds the draft's keys too
+                target = sum(g.bytes_per_token for g in groups) * args.block_size
+                memory = memory * target // (target + self.drafter.bytes_per_block(args.block_size))
+            blocks = split_memory(groups, memory, args.block_size, max_len)
         else:
             blocks = (args.num_kv_blocks,) * len(groups)
         host = ()
@@ -317,10 +332,21 @@ class LLMEngine:
             self.runner.sampler.forget(out.finished_ids)
             self._record_step()
             return []
+        try:
+            if self.drafter is not None:
+                start = time.perf_counter()
+                steps = self.drafter.propose(out)
+                self.scheduler.draft_length.observe_drafting(steps, time.perf_counter() - start)
+        except Exception as e:
+            log.exception("drafting failed; failing the step's %d requests", len(out.scheduled))
+            reqs = [self.scheduler.requests.get(s.request_id) for s in out.scheduled]
+            return self._fail([r for r in reqs if r is not None], _describe("drafting", e))
         if self.workers is not None:
             self.workers.step(out)  # raises EngineDeadError when a rank has gone
         try:
+            start = time.perf_counter()
             sampled, prompt_logprobs = self.runner.execute(out)
+            self.scheduler.observe_step(out, time.perf_counter() - start)
         except Exception as e:
             log.exception("engine step failed; failing its %d requests", len(out.scheduled))
             reqs = [self.scheduler.requests.get(s.request_id) for s in out.scheduled]
@@ -335,11 +361,11 @@ class LLMEngine:
         for rid, e in failed.items():
             outputs += self._fail([self.scheduler.requests[rid]], _describe("sampling", e))
         got = self.scheduler.update(
-            out, {rid: s[0] for rid, s in sampled.items() if rid not in failed}
+            out, {rid: [t for t, _ in s] for rid, s in sampled.items() if rid not in failed}
         )
-        for req in got:
+        for req, kept in got:
             try:
-                outputs.append(self._output(req, sampled[req.request_id]))
+                outputs.append(self._output(req, sampled[req.request_id][:kept]))
             except Exception as e:  # this request's post-processing alone
                 log.exception("post-processing failed for request %s", req.request_id)
                 outputs += self._fail([req], _describe("post-processing", e))
@@ -364,14 +390,20 @@ class LLMEngine:
             wait = req.first_scheduled_time - req.arrival_time
             self._queue_wait = 0.8 * self._queue_wait + 0.2 * wait
 
-    def _output(self, req: Request, sample) -> RequestOutput:
-        token, logprob = sample
-        self.metrics.token(req, time.monotonic())
+    def _output(self, req: Request, samples: list) -> RequestOutput:
+        """The output of the tokens ``req`` got this step, ended at a stop string among them."""
         det = self._detokenizers[req.request_id]
-        stop = det.add([token])
-        if stop is not None:
-            self.scheduler.finish(req, "stop", stop)
-        elif req.finished:
+        tokens, logprobs = [], []
+        stop = None
+        for token, logprob in samples:
+            tokens.append(token)
+            logprobs.append(logprob)
+            stop = det.add([token])
+            if stop is not None:
+                self.scheduler.finish(req, "stop", stop)
+                break
+        self.metrics.tokens(req, time.monotonic(), len(tokens))
+        if stop is None and req.finished:
             det.flush()
         if req.finished:
             del self._detokenizers[req.request_id]
@@ -379,8 +411,8 @@ class LLMEngine:
         completion = CompletionOutput(
             0,
             det.take(req.finished),
-            [token],
-            [logprob] if logprob is not None else None,
+            tokens,
+            logprobs if logprobs[0] is not None else None,
             req.finish_reason,
             req.stop_reason,
         )

@@ -15,6 +15,7 @@ from engine.core.config import CacheConfig
 from engine.core.context_overflow import CONTEXT_POLICIES
 from engine.core.request import Request
 from engine.core.scheduler import SchedulerEvents
+from engine.core.speculation import SpeculativeConfig
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -31,8 +32,13 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 
 
 class EngineMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        speculation: SpeculativeConfig | None = None,
+    ):
         self.registry = r = registry or CollectorRegistry()
+        self.spec_method = speculation.method if speculation else None
 
         def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
             return Gauge(f"kvserve:{name}", doc, labels, registry=r)
@@ -101,6 +107,21 @@ class EngineMetrics:
         self.rejected = counter(
             "requests_rejected", "Requests refused before any work, by reason.", ("reason",)
         )
+        self.spec_draft_tokens = counter(
+            "spec_decode_num_draft_tokens",
+            "Speculative decoding: drafted tokens the target verified, by method.",
+            ("method",),
+        )
+        self.spec_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens",
+            "Speculative decoding: drafted tokens the target accepted, by method.",
+            ("method",),
+        )
+        self.spec_accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: accepted drafts by position in their run (0: the first).",
+            ("method", "position"),
+        )
         self.cache_config = Info(
             "kvserve:cache_config", "KV-cache layout and capacity.", registry=r
         )
@@ -118,6 +139,9 @@ class EngineMetrics:
         ):
             for value in values:
                 metric.labels(value)
+        if self.spec_method is not None:
+            self.spec_draft_tokens.labels(self.spec_method)
+            self.spec_accepted_tokens.labels(self.spec_method)
 
     def describe_cache(self, cache: CacheConfig, max_model_len: int, **settings) -> None:
         def each(values) -> str:
@@ -163,10 +187,17 @@ class EngineMetrics:
             self.swapped_blocks.labels(direction).inc(n)
         self.prefix_queries.inc(events.prefix_queries)
         self.prefix_hits.inc(events.prefix_hits)
+        if self.spec_method is not None:
+            method = self.spec_method
+            self.spec_draft_tokens.labels(method).inc(events.drafted)
+            self.spec_accepted_tokens.labels(method).inc(sum(events.accepted_at.values()))
+            for position, n in events.accepted_at.items():
+                self.spec_accepted_per_pos.labels(method, str(position)).inc(n)
 
-    def token(self, req: Request, now: float) -> None:
-        """``req`` just received a token at ``now`` (its first one when it has no earlier)."""
-        self.generation_tokens.inc()
+    def tokens(self, req: Request, now: float, n: int = 1) -> None:
+        """``req`` just received ``n`` tokens at ``now`` (its first ones when it has no
+        earlier); a speculative step's tokens arrive together, one inter-token interval."""
+        self.generation_tokens.inc(n)
         if req.first_token_time is None:
             req.first_token_time = now
             self.ttft.observe(now - req.arrival_time)

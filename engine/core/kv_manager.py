@@ -83,6 +83,11 @@ class KVCacheManager:
         for m, table in self._each(tables):
             m.free(table)
 
+    def trim(self, tables: BlockTables, num_tokens: int) -> None:
+        """Shrink ``tables`` to the blocks ``num_tokens`` tokens need."""
+        for m, table in self._each(tables):
+            m.trim(table, num_tokens)
+
     # -- prefix caching -----------------------------------------------------------------------
 
     @property

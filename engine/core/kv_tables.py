@@ -84,6 +84,13 @@ class TableManager:
         self.pool.free(table[::-1])  # the tail is evicted first
         table.clear()
 
+    def trim(self, table: list[int], num_tokens: int) -> None:
+        """Give back the blocks past those ``num_tokens`` tokens need (rejected drafts')."""
+        keep = self.spec.num_blocks(num_tokens, self.block_size)
+        if len(table) > keep:
+            self.pool.free(table[keep:][::-1])
+            del table[keep:]
+
     def _give_fresh_block(self, table: list[int], i: int) -> int:
         """Replace ``table[i]`` by a fresh block, dropping one reference to the old one (which
         others may still hold, or the cache keep); returns the old block."""

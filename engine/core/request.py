@@ -40,6 +40,10 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # Speculative decoding: the measured rate at which this request's drafts are accepted
+    # (None: not measured yet), and the positions a draft model's cache holds for it.
+    acceptance: float | None = None
+    num_draft_computed: int = 0
     # Prefix caching: the keys of the full blocks of token_ids, how many of the sequence's
     # blocks are registered in the cache, and the prompt tokens served from it at admission.
     block_keys: list[bytes] = field(default_factory=list)
@@ -74,4 +78,6 @@ class Request:
         del self.token_ids[start : start + count]
         if self.num_computed_tokens > start:
             self.num_computed_tokens -= min(count, self.num_computed_tokens - start)
+        if self.num_draft_computed > start:
+            self.num_draft_computed -= min(count, self.num_draft_computed - start)
         self.num_dropped_tokens += count

@@ -65,6 +65,8 @@ class SamplingParams:
     # Teacher forcing: the output is these tokens, in order, whatever the model prefers; with
     # ``logprobs`` each is scored by the model (the perplexity of a text under a context policy).
     forced: tuple[int, ...] = ()
+    # With a speculative server: False decodes this request one token per step.
+    speculate: bool = True
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

@@ -24,6 +24,13 @@ from engine.core.preemption import Preemption
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import RequestQueue, queue_key
 from engine.core.sampling_params import SamplingParams
+from engine.core.speculation import (
+    PRIOR_ACCEPTANCE,
+    DraftLength,
+    SpeculativeConfig,
+    ngram_propose,
+    update_acceptance,
+)
 
 
 @dataclass
@@ -36,6 +43,13 @@ class ScheduledRequest:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    # Speculation: token_ids ends with this many drafted tokens (a draft model's are filled in
+    # before the forward pass); the rows of all of them and of the token before are sampled.
+    num_drafts: int = 0
+    # For a draft model: its cache holds positions before draft_start, and draft_context are
+    # the tokens from there to start_pos, which it computes before drafting.
+    draft_start: int = 0
+    draft_context: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -81,6 +95,8 @@ class SchedulerEvents:
     swapped_blocks: Counter = field(default_factory=Counter)  # by direction
     prefix_queries: int = 0  # tokens looked up in the prefix cache at admission
     prefix_hits: int = 0  # of which found
+    drafted: int = 0  # speculative tokens verified
+    accepted_at: Counter = field(default_factory=Counter)  # accepted, by draft position
 
 
 class _Step:
@@ -89,6 +105,7 @@ class _Step:
     def __init__(self, budget: int, num_groups: int):
         self.budget = budget
         self.scheduled: dict[str, tuple[Request, int]] = {}  # in scheduling order
+        self.drafts: dict[str, list[int]] = {}  # n-gram drafts; a draft model's: []
         self.preempted: list[str] = []
         self.swap_out: BlockPairs = [[] for _ in range(num_groups)]
         self.swap_in: BlockPairs = [[] for _ in range(num_groups)]
@@ -110,8 +127,11 @@ class Scheduler:
         kv: KVCacheManager,
         default_context_policy: ContextPolicy,
         eos_token_ids: tuple[int, ...] = (),
+        speculation: SpeculativeConfig | None = None,
     ):
         self.config = config
+        self.speculation = speculation
+        self.draft_length = DraftLength(speculation) if speculation else None
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
         self.preemption = Preemption(config.preemption_mode)
@@ -205,11 +225,13 @@ class Scheduler:
             i += 1
         if not step.preempted:  # else the running requests alone overfill the pool
             self._admit(step)
+        if self.speculation is not None:
+            self._speculate(step)
 
         items = sorted(step.scheduled.values(), key=lambda item: item[1] != 1)  # decodes first
         live = (RequestStatus.RUNNING, RequestStatus.SWAPPED)
         out = SchedulerOutput(
-            scheduled=[self._to_plain(req, n) for req, n in items],
+            scheduled=[self._to_plain(req, n, step.drafts.get(req.request_id)) for req, n in items],
             num_decodes=sum(1 for _, n in items if n == 1),
             finished_ids=self._finished_ids,
             preempted_ids=step.preempted,
@@ -271,6 +293,8 @@ class Scheduler:
                 return 0
             self.waiting.remove(req)
             req.num_computed_tokens = hit
+            # A cached prefix holds the target's keys; a draft model computes its own again.
+            req.num_draft_computed = 0
             if self.kv.prefix_caching:
                 self.events.prefix_queries += req.num_tokens
                 self.events.prefix_hits += hit
@@ -293,18 +317,60 @@ class Scheduler:
         found = self.kv.find_prefix(req.token_ids, keys, req.num_tokens - 1)
         return self.kv.take_prefix(req.block_tables, found)
 
-    def _to_plain(self, req: Request, n: int) -> ScheduledRequest:
+    def _speculate(self, step: _Step) -> None:
+        """Draft slots for the decoding requests that speculate, as many as the measured
+        costs and acceptance make worth it, where the pool and the token budget have room (a
+        request never preempts another for drafts)."""
+        config = self.speculation
+        decoding = [
+            req
+            for req, n in step.scheduled.values()
+            if n == 1 and req.num_computed_tokens == req.num_tokens - 1 and _speculates(req.params)
+        ]
+        room = [self._draft_room(req) for req in decoding]
+        acceptance = [PRIOR_ACCEPTANCE if r.acceptance is None else r.acceptance for r in decoding]
+        for req, k in zip(decoding, self.draft_length.choose(acceptance, room)):
+            k = min(k, step.budget)
+            drafts = []
+            if k and config.method == "ngram":
+                drafts = ngram_propose(req.token_ids, k, config.ngram_min, config.ngram_max)
+                k = len(drafts)
+            start = req.num_computed_tokens
+            if not k or not self.kv.can_allocate(req.block_tables, start + 1 + k, start):
+                continue
+            step.allocated(self.kv.allocate(req.block_tables, start + 1 + k, start))
+            step.budget -= k
+            step.scheduled[req.request_id] = (req, 1 + k)
+            step.drafts[req.request_id] = drafts
+
+    def _draft_room(self, req: Request) -> int:
+        """Most tokens ``req`` may draft: all of them and the target's own token stay within
+        max_tokens and the context (where a context policy acts only after the last), and
+        within a block, so that a ring's rejected writes never reach positions its window still
+        reads."""
+        room = self.config.max_model_len - req.num_tokens - 1
+        if req.params.max_tokens is not None:
+            room = min(room, req.params.max_tokens - req.num_output_tokens - 1)
+        return max(0, min(room, self.kv.block_size))
+
+    def _to_plain(self, req: Request, n: int, drafts: list[int] | None = None) -> ScheduledRequest:
         start = req.num_computed_tokens
-        return ScheduledRequest(
+        num_drafts = 0 if drafts is None else n - 1
+        plain = ScheduledRequest(
             request_id=req.request_id,
-            token_ids=req.token_ids[start : start + n],
+            token_ids=req.token_ids[start : start + n - num_drafts] + (drafts or []),
             start_pos=start,
             block_tables=req.block_tables,
-            sample=start + n == req.num_tokens,
+            sample=start + n - num_drafts == req.num_tokens,
             params=req.params,
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids,
+            num_drafts=num_drafts,
         )
+        if num_drafts and self.speculation.method == "draft_model":
+            plain.draft_start = req.num_draft_computed
+            plain.draft_context = req.token_ids[req.num_draft_computed : start]
+        return plain
 
     def _preempt(self, step: _Step, candidates: list[Request]) -> tuple[Request, bool]:
         """Preempt one of ``candidates``: (the victim, whether it was scheduled this step)."""
@@ -329,34 +395,69 @@ class Scheduler:
             self.swapped.push(victim, front=True)
         else:
             self.kv.free(victim.block_tables)
-            victim.num_computed_tokens = 0
+            victim.num_computed_tokens = victim.num_draft_computed = 0
             victim.status = RequestStatus.WAITING
             self.waiting.push(victim, front=True)
         return victim, was_scheduled
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, finish what must stop.
+    def update(
+        self, out: SchedulerOutput, sampled: dict[str, list[int]]
+    ) -> list[tuple[Request, int]]:
+        """Advance computed counts, append sampled tokens (a speculating request's accepted
+        drafts and the token after them), finish what must stop, give back the blocks of
+        rejected drafts.
 
-        Returns the requests that received a token this step.
+        Returns the requests that received tokens this step, each with how many it kept (a
+        stop among accepted drafts ends the run there).
         """
-        got_token = []
+        got_tokens = []
         for s in out.scheduled:
             req = self.requests.get(s.request_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted during the step
-            req.num_computed_tokens += len(s.token_ids)
+            tokens = sampled[s.request_id] if s.sample else []
+            accepted = max(0, len(tokens) - 1)
+            # The rows of rejected drafts hold nothing: the target's own token follows the
+            # accepted ones.
+            req.num_computed_tokens += len(s.token_ids) - s.num_drafts + accepted
+            if s.num_drafts:
+                self._count_drafts(req, s, accepted)
             if self.kv.prefix_caching:
+                known = req.token_ids + tokens[:accepted]
                 req.num_registered_blocks = self.kv.cache_blocks(
-                    req.block_tables, req.token_ids, req.block_keys, req.num_computed_tokens,
+                    req.block_tables, known, req.block_keys, req.num_computed_tokens,
                     req.num_registered_blocks,
                 )  # fmt: skip
-            if not s.sample:
-                continue
-            token = sampled[s.request_id]
-            req.append_token(token)
-            got_token.append(req)
-            self._check_stop(req, token)
-        return got_token
+            kept = 0
+            for token in tokens:
+                req.append_token(token)
+                kept += 1
+                self._check_stop(req, token)
+                if req.status != RequestStatus.RUNNING:
+                    break
+            if kept:
+                got_tokens.append((req, kept))
+            if s.num_drafts and req.status == RequestStatus.RUNNING:
+                self.kv.trim(req.block_tables, req.num_tokens)
+        return got_tokens
+
+    def _count_drafts(self, req: Request, s: ScheduledRequest, accepted: int) -> None:
+        """A verified speculation: the request's acceptance rate, the metrics' counts, and
+        what its draft model's cache now holds (what it computed, up to the first rejection)."""
+        req.acceptance = update_acceptance(req.acceptance, s.num_drafts, accepted)
+        self.events.drafted += s.num_drafts
+        for position in range(accepted):
+            self.events.accepted_at[position] += 1
+        if self.speculation.method == "draft_model":
+            req.num_draft_computed = min(req.num_computed_tokens, s.start_pos + s.num_drafts)
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """A decode step's cost, for choosing later draft lengths; steps with prefill chunks
+        say nothing about it."""
+        if self.draft_length is None:
+            return
+        if all(s.sample and len(s.token_ids) == 1 + s.num_drafts for s in out.scheduled):
+            self.draft_length.observe_step(out.num_tokens, seconds)
 
     def _check_stop(self, req: Request, token: int) -> None:
         params = req.params
@@ -410,3 +511,8 @@ class Scheduler:
         first = drop.start // self.kv.block_size
         del req.block_keys[first:]  # the blocks from the first dropped one hold other tokens
         req.num_registered_blocks = min(req.num_registered_blocks, first)
+
+
+def _speculates(params: SamplingParams) -> bool:
+    """Forced tokens are known already; a request may also turn speculation off."""
+    return not params.forced and params.speculate

@@ -25,7 +25,9 @@ from models.tensor_parallel import NO_TP, TPRank, shard_config
 
 PROMPT_LOGITS_ROWS = 256
 
-Sampled = dict[str, "tuple[int, TokenLogprob | None] | Exception"]
+# Per sampled request: its new tokens, each with its logprob record or None (one token, or a
+# speculating request's accepted drafts and one more), or the exception its sampling raised.
+Sampled = dict[str, "list[tuple[int, TokenLogprob | None]] | Exception"]
 PromptLogprobs = dict[str, tuple[int, list[TokenLogprob]]]
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -203,13 +205,16 @@ class ModelRunner:
         ]
         ctx = ForwardContext.planned(self.backend, metas, self.kv_caches, self.layer_to_group)
         hidden = self.model(ids, positions, ctx)
-        rows = step.sample_rows[[s.sample for s in out.scheduled]]
-        return hidden, rows.tolist()
+        # A sampled sequence's last row, and before it one per draft it verifies.
+        last = step.sample_rows.tolist()
+        rows = [r for s, end in zip(out.scheduled, last) if s.sample
+                for r in range(end - s.num_drafts, end + 1)]  # fmt: skip
+        return hidden, rows
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, sample: bool = True) -> tuple[Sampled, PromptLogprobs]:
-        """The step: each sampling request's (token, logprob record or None) or the exception
-        its sampling raised; and for requests asking for prompt logprobs, (position of the
+        """The step: each sampling request's new tokens (``Sampled``) or the exception its
+        sampling raised; and for requests asking for prompt logprobs, (position of the
         first prompt token this step predicts, a record per predicted prompt token).
         ``sample`` False (a tensor-parallel rank other than 0): the cache and forward only."""
         self.sampler.forget(out.finished_ids)
@@ -222,8 +227,10 @@ class ModelRunner:
             self._forward(out)
             return {}, {}
         chosen = [s for s in sched if s.sample]
+        drafts = [s.token_ids[len(s.token_ids) - s.num_drafts :] for s in chosen]
+        request_ids, params = [s.request_id for s in chosen], [s.params for s in chosen]
         # Constrained requests' token masks are filled while the forward pass runs.
-        masks = self.sampler.start_masks([s.request_id for s in chosen], [s.params for s in chosen])
+        masks = self.sampler.start_masks(request_ids, params, drafts)
         tables = [s.block_tables for s in sched]
         if self.graphs and out.num_decodes == len(sched) and self.graphs.fits(len(sched), tables):
             hidden = self.graphs.run(step_arrays(sched, self.groups, self.cache_config.block_size))
@@ -234,15 +241,16 @@ class ModelRunner:
         if not rows:
             return {}, prompt_logprobs
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        results = self.sampler.sample(
+        results = self.sampler.verify(
             logits,
-            [s.request_id for s in chosen],
-            [s.params for s in chosen],
+            request_ids,
+            params,
             [s.prompt_token_ids for s in chosen],
             [s.output_token_ids for s in chosen],
+            drafts,
             masks,
         )
-        return {s.request_id: r for s, r in zip(chosen, results)}, prompt_logprobs
+        return dict(zip(request_ids, results)), prompt_logprobs
 
     def _prompt_logprobs(self, hidden: torch.Tensor, sched: list) -> PromptLogprobs:
         """Logprobs of the prompt tokens that this step's rows predict (row p predicts

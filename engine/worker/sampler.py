@@ -53,11 +53,21 @@ class Sampler:
         if self.grammars is not None:
             self.grammars.forget(request_ids)
 
-    def start_masks(self, request_ids: list[str], params: list[SamplingParams]) -> Future | None:
+    def start_masks(
+        self,
+        request_ids: list[str],
+        params: list[SamplingParams],
+        drafts: list[list[int]] | None = None,
+    ) -> Future | None:
         """Starts filling the token masks of the constrained requests among those about to be
-        sampled (their rows in order); None when there are none."""
-        constrained = [(r, p.structured) for r, p in zip(request_ids, params) if p.structured]
-        return self.grammars.fill_async(constrained) if constrained else None
+        sampled (their rows in order, a row per draft more with ``drafts``); None when there
+        are none."""
+        drafts = drafts or [[] for _ in params]
+        chosen = [i for i, p in enumerate(params) if p.structured]
+        if not chosen:
+            return None
+        constrained = [(request_ids[i], params[i].structured) for i in chosen]
+        return self.grammars.fill_async(constrained, [drafts[i] for i in chosen])
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         if params.seed is None:
@@ -94,6 +104,100 @@ class Sampler:
                 except Exception as e:
                     results[i] = e
         return results
+
+    def verify(
+        self,
+        logits: torch.Tensor,
+        request_ids: list[str],
+        params: list[SamplingParams],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+        drafts: list[list[int]],
+        masks: Future | None = None,
+    ) -> list[list[tuple[int, TokenLogprob | None]] | Exception]:
+        """Speculative decoding's sampling: request i has ``len(drafts[i]) + 1`` rows of
+        ``logits`` (the target's at its last known token and at each draft). Returns per
+        request the drafts it accepts and one token of the target's own after them, each
+        with its logprob record, or the exception that request alone raised.
+
+        Greedy: a draft is accepted while it is the target's choice, so the tokens are those
+        of decoding without drafts. Sampled: the draft d at a row whose target distribution
+        is p (after every filter) is accepted with probability p(d), and after a rejection
+        the token is drawn from p without d, renormalized (Leviathan et al.'s rule for a draft
+        that proposes d with certainty): each token follows p exactly. Each request draws
+        ``len(drafts) + 1`` numbers a step, from its own generator when it has a seed."""
+        if not any(drafts):
+            singles = self.sample(logits, request_ids, params, prompt_ids, output_ids, masks)
+            return [r if isinstance(r, Exception) else [r] for r in singles]
+        logits = logits.float()
+        counts = [len(d) + 1 for d in drafts]
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        if masks is not None:
+            rows = [r for i, p in enumerate(params) if p.structured
+                    for r in range(starts[i], starts[i] + counts[i])]  # fmt: skip
+            constrained = logits[rows]
+            apply_bitmask(constrained, masks.result())
+            logits[rows] = constrained
+        results: list = [None] * len(params)
+        for i, (rid, p, d) in enumerate(zip(request_ids, params, drafts)):
+            try:
+                rows = logits[starts[i] : starts[i] + counts[i]]
+                results[i] = self._verify_one(rows, rid, p, prompt_ids[i], output_ids[i], d)
+                if p.structured:
+                    for token, _ in results[i]:
+                        self.grammars.accept(rid, token)
+            except Exception as e:
+                results[i] = e
+        return results
+
+    def _verify_one(
+        self,
+        logits: torch.Tensor,
+        request_id: str,
+        p: SamplingParams,
+        prompt: list[int],
+        output: list[int],
+        drafts: list[int],
+    ) -> list[tuple[int, TokenLogprob | None]]:
+        """One request's rows [k + 1, V] against its ``k`` drafts (``verify``)."""
+        k, vocab = len(drafts), logits.shape[1]
+        outputs = [output + drafts[:t] for t in range(k + 1)]  # what each row follows
+        for out in outputs:
+            self._check(p, prompt, out, vocab)
+        x = self._process(logits, list(range(k + 1)), [p] * (k + 1), [prompt] * (k + 1), outputs)
+        if p.greedy:
+            best = x.argmax(dim=-1).tolist()
+            j = 0
+            while j < k and best[j] == drafts[j]:
+                j += 1
+            tokens = best[: j + 1]
+        else:
+            gen = self._generator(request_id, p)
+            uniform = torch.rand(k + 1, generator=gen, device=self.device).to(x.device)
+            probs = self._dense_probs(x, [p] * (k + 1))
+            at = torch.arange(k, device=x.device)
+            accept = (uniform[:k] < probs[at, _index(drafts, x.device)]).tolist()
+            j = accept.index(False) if False in accept else k
+            row = probs[j].clone()
+            if j < k:
+                row[drafts[j]] = 0.0
+            tokens = drafts[:j] + _invert(row[None], uniform[k:]).tolist()
+        records: list[TokenLogprob | None] = [None] * len(tokens)
+        if p.logprobs is not None:
+            table = _logprob_table(x[: len(tokens)], _index(tokens, x.device), p.logprobs)
+            records = _records(table.tolist(), tokens, [p.logprobs] * len(tokens))
+        return list(zip(tokens, records))
+
+    def _dense_probs(self, x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Processed logits [m, V] -> each row's sampling distribution after temperature,
+        top-k, top-p and min-p, normalized."""
+        probs, nucleus = self._filter(x.clone(), params, own=True)
+        if nucleus is not None:
+            js, values, ids = nucleus
+            index = _index(js, x.device)
+            dense = torch.zeros(len(js), x.shape[1], device=x.device)
+            probs[index] = dense.scatter_(1, ids, values)
+        return probs / probs.sum(dim=-1, keepdim=True)
 
     def _sample(self, logits, request_ids, params, prompt_ids, output_ids) -> list:
         if all(

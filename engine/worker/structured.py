@@ -171,20 +171,30 @@ class Grammars:
             self.matchers.pop(rid, None)
             self.ended.discard(rid)
 
-    def fill_async(self, requests: list[tuple[str, Constraint]]) -> Future:
-        """Starts filling the next-token masks of ``requests`` (one row each); the future's
-        result is an int32 bitmask [n, ceil(V / 32)], bit set = token allowed."""
-        rows = [
-            (self.matcher(rid, c), i)
-            for i, (rid, c) in enumerate(requests)
-            if rid not in self.ended
-        ]
-        return self.worker.submit(self._fill, rows, len(requests))
+    def fill_async(
+        self, requests: list[tuple[str, Constraint]], drafts: list[list[int]] | None = None
+    ) -> Future:
+        """Starts filling the next-token masks of ``requests``, one row each, or with
+        ``drafts`` one row per draft more (the masks after each draft: llguidance advances the
+        matcher through them and rolls it back). The future's result is an int32 bitmask
+        [rows, ceil(V / 32)], bit set = token allowed."""
+        drafts = drafts or [[] for _ in requests]
+        rows, n = [], 0
+        for (rid, c), d in zip(requests, drafts):
+            if rid not in self.ended:
+                rows.append((self.matcher(rid, c), n, d))
+            n += len(d) + 1
+        return self.worker.submit(self._fill, rows, n)
 
-    def _fill(self, rows: list[tuple[llguidance.LLMatcher, int]], n: int) -> np.ndarray:
+    def _fill(self, rows: list[tuple[llguidance.LLMatcher, int, list[int]]], n: int) -> np.ndarray:
         bitmask = llguidance.numpy.allocate_token_bitmask(n, self.vocab_size)  # all allowed
-        if rows:
-            llguidance.numpy.fill_next_token_bitmask_par(self.executor, rows, bitmask)
+        if any(d for _, _, d in rows):
+            llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(
+                self.executor, rows, bitmask
+            )
+        elif rows:
+            plain = [(m, i) for m, i, _ in rows]
+            llguidance.numpy.fill_next_token_bitmask_par(self.executor, plain, bitmask)
         return bitmask
 
     def accept(self, request_id: str, token_id: int) -> None:

@@ -1,0 +1,167 @@
+"""Speculative decoding, the scheduler's side: how many tokens each request drafts in a step,
+and the n-gram proposer. Pure Python (and numpy).
+
+A speculating request is scheduled with its last sampled token and ``k`` draft slots. Before the
+forward pass the proposer fills the slots (n-gram prompt lookup here; a draft model in
+``engine.worker.drafter``), the target model computes all ``k + 1`` positions at once, and the
+sampler keeps the drafts it accepts plus one token of its own (``Sampler.verify``). The
+scheduler then gives the rejected drafts' slots back.
+
+How long to draft (``DraftLength``) is a trade measured as it runs: a step computing ``r`` rows
+costs about ``a + b r`` seconds (fitted over the recent decode steps), each drafted position
+costs the proposer ``c`` seconds per sequence (a draft model's step), and a request whose
+drafts are each accepted with probability ``p`` gets ``(1 - p^(k+1)) / (1 - p)`` tokens from a
+step that drafts ``k``. The batch drafts the ``k`` that gives the most tokens per second, which
+is 0 where a step is compute-bound: a large batch is never slower than without speculation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# Prior acceptance of a request's drafts until its own is measured, and how fast the measured
+# one follows (per verified step).
+PRIOR_ACCEPTANCE = 0.6
+ACCEPTANCE_WEIGHT = 0.3
+# The step-cost fit forgets at this rate per step, so it follows a changing batch.
+COST_DECAY = 0.98
+# A step of r rows costs a (1 + PRIOR_ROW_COST r) until steps have been measured.
+PRIOR_ROW_COST = 0.2
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``method`` ngram or draft_model; ``num_tokens``: the most tokens drafted per step
+    (None: adaptive up to ``max_tokens``); n-gram lookup matches the last
+    ``ngram_min..ngram_max`` tokens."""
+
+    method: str
+    num_tokens: int | None = None
+    max_tokens: int = 8
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}")
+        if self.num_tokens is not None and not 1 <= self.num_tokens <= self.max_tokens:
+            raise ValueError(f"num_speculative_tokens must be in [1, {self.max_tokens}]")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("ngram lookup needs 1 <= min <= max")
+
+    @property
+    def adaptive(self) -> bool:
+        return self.num_tokens is None
+
+    @property
+    def most(self) -> int:
+        return self.num_tokens or self.max_tokens
+
+
+def ngram_propose(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Prompt lookup: the up to ``k`` tokens that followed the latest earlier occurrence of the
+    context's last n tokens (the longest n in ``n_max..n_min`` that occurs); [] if none does."""
+    if k <= 0 or len(token_ids) < n_min + 1:
+        return []
+    ids = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(n_max, len(ids) - 1), n_min - 1, -1):
+        tail = ids[-n:]
+        # Windows that end before the last token: a match must have a continuation.
+        windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)
+        hits = np.flatnonzero((windows == tail).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return ids[start : start + k].tolist()
+    return []
+
+
+def expected_tokens(p: float, k: int) -> float:
+    """Tokens a step yields when each of ``k`` drafts is accepted with probability ``p``
+    (the first rejection ends the run; the target adds one token either way)."""
+    if p >= 1.0:
+        return k + 1.0
+    return (1.0 - p ** (k + 1)) / (1.0 - p)
+
+
+@dataclass
+class StepCost:
+    """Seconds a decode step of r rows takes, a + b r, fitted by least squares over the
+    measured steps with exponential forgetting."""
+
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        d = COST_DECAY
+        self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + rows, d * self.sy + seconds
+        self.sxx, self.sxy = d * self.sxx + rows * rows, d * self.sxy + rows * seconds
+
+    def line(self) -> tuple[float, float]:
+        """(a, b); the prior shape scaled to the mean step until rows have varied."""
+        if self.n < 1:
+            return 1.0, PRIOR_ROW_COST
+        mx, my = self.sx / self.n, self.sy / self.n
+        var = self.sxx / self.n - mx * mx
+        if var < 0.25:  # all steps had about the same rows: only the level is known
+            a = my / (1 + PRIOR_ROW_COST * mx)
+            return a, a * PRIOR_ROW_COST
+        b = max(0.0, (self.sxy / self.n - mx * my) / var)
+        return max(my - b * mx, 1e-6), b
+
+    def seconds(self, rows: float) -> float:
+        a, b = self.line()
+        return a + b * rows
+
+
+@dataclass
+class DraftLength:
+    """Chooses each step's draft length from measured costs and acceptance."""
+
+    config: SpeculativeConfig
+    cost: StepCost = field(default_factory=StepCost)
+    draft_seconds: float = 0.0  # the proposer's cost per drafted position of one step
+
+    def choose(self, acceptance: list[float], room: list[int]) -> list[int]:
+        """Drafts per request of a decode batch: ``acceptance`` its requests' measured rates,
+        ``room`` the most each may draft (context, max_tokens)."""
+        most = min(self.config.most, max(room, default=0))
+        if not self.config.adaptive or most == 0:
+            return [min(most, r) for r in room]
+        batch = len(acceptance)
+        best, best_rate = 0, batch / self.cost.seconds(batch)
+        for k in range(1, most + 1):
+            tokens = sum(expected_tokens(p, min(k, r)) for p, r in zip(acceptance, room))
+            rows = batch + sum(min(k, r) for r in room)
+            seconds = self.cost.seconds(rows) + k * self.draft_seconds
+            if tokens / seconds > best_rate:
+                best, best_rate = k, tokens / seconds
+        return [min(best, r) for r in room]
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        self.cost.observe(rows, seconds)
+
+    def observe_drafting(self, positions: int, seconds: float) -> None:
+        """The proposer drafted ``positions`` steps (a draft model's forward passes) in
+        ``seconds``."""
+        if positions:
+            per, w = seconds / positions, ACCEPTANCE_WEIGHT
+            old = self.draft_seconds or per
+            self.draft_seconds = (1 - w) * old + w * per
+
+
+def update_acceptance(rate: float | None, drafted: int, accepted: int) -> float:
+    """A request's acceptance estimate after a step that verified ``drafted`` drafts and kept
+    ``accepted``: the rate per draft position reached, followed exponentially."""
+    current = PRIOR_ACCEPTANCE if rate is None else rate
+    if drafted == 0:
+        return current
+    # Positions tested: the accepted ones, plus the rejected one if any.
+    tested = accepted + (accepted < drafted)
+    observed = accepted / tested
+    return (1 - ACCEPTANCE_WEIGHT) * current + ACCEPTANCE_WEIGHT * observed
