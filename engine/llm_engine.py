@@ -334,9 +334,8 @@ class LLMEngine:
             return []
         try:
             if self.drafter is not None:
-                start = time.perf_counter()
-                steps = self.drafter.propose(out)
-                self.scheduler.draft_length.observe_drafting(steps, time.perf_counter() - start)
+                steps, seconds = self.drafter.propose(out)
+                self.scheduler.draft_length.observe_drafting(steps, seconds)
         except Exception as e:
             log.exception("drafting failed; failing the step's %d requests", len(out.scheduled))
             reqs = [self.scheduler.requests.get(s.request_id) for s in out.scheduled]

@@ -266,9 +266,13 @@ class SamplingFields(RequestBody):
     timings_per_token: bool = Field(
         False, description="llama.cpp: timings in every streamed chunk."
     )
-    # kvserve extension
+    # kvserve extensions
     overflow: OverflowOptions | None = Field(
         None, description="Context-overflow policy for this request; default: the server's."
+    )
+    speculative: bool = Field(
+        True,
+        description="False: no speculative decoding for this request, where the server has it.",
     )
 
     @model_validator(mode="after")
@@ -367,6 +371,7 @@ class SamplingFields(RequestBody):
             logit_bias=self._logit_bias(),
             overflow=self.overflow.to_engine() if self.overflow is not None else None,
             structured=constraint if constraint is not None else self.constraint(),
+            speculate=self.speculative,
         )
 
 

@@ -24,13 +24,7 @@ from engine.core.preemption import Preemption
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import RequestQueue, queue_key
 from engine.core.sampling_params import SamplingParams
-from engine.core.speculation import (
-    PRIOR_ACCEPTANCE,
-    DraftLength,
-    SpeculativeConfig,
-    ngram_propose,
-    update_acceptance,
-)
+from engine.core.speculation import DraftLength, SpeculativeConfig, ngram_propose
 
 
 @dataclass
@@ -328,7 +322,8 @@ class Scheduler:
             if n == 1 and req.num_computed_tokens == req.num_tokens - 1 and _speculates(req.params)
         ]
         room = [self._draft_room(req) for req in decoding]
-        acceptance = [PRIOR_ACCEPTANCE if r.acceptance is None else r.acceptance for r in decoding]
+        prior = self.draft_length.prior
+        acceptance = [prior if r.acceptance is None else r.acceptance for r in decoding]
         for req, k in zip(decoding, self.draft_length.choose(acceptance, room)):
             k = min(k, step.budget)
             drafts = []
@@ -444,7 +439,8 @@ class Scheduler:
     def _count_drafts(self, req: Request, s: ScheduledRequest, accepted: int) -> None:
         """A verified speculation: the request's acceptance rate, the metrics' counts, and
         what its draft model's cache now holds (what it computed, up to the first rejection)."""
-        req.acceptance = update_acceptance(req.acceptance, s.num_drafts, accepted)
+        rate = self.draft_length.observe_acceptance(req.acceptance, s.num_drafts, accepted)
+        req.acceptance = rate
         self.events.drafted += s.num_drafts
         for position in range(accepted):
             self.events.accepted_at[position] += 1

@@ -26,6 +26,7 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 # one follows (per verified step).
 PRIOR_ACCEPTANCE = 0.6
 ACCEPTANCE_WEIGHT = 0.3
+PRIOR_WEIGHT = 0.05
 # The step-cost fit forgets at this rate per step, so it follows a changing batch.
 COST_DECAY = 0.98
 # A step of r rows costs a (1 + PRIOR_ROW_COST r) until steps have been measured.
@@ -126,6 +127,8 @@ class DraftLength:
     config: SpeculativeConfig
     cost: StepCost = field(default_factory=StepCost)
     draft_seconds: float = 0.0  # the proposer's cost per drafted position of one step
+    # Acceptance over recent requests: where a new request's own estimate starts.
+    prior: float = PRIOR_ACCEPTANCE
 
     def choose(self, acceptance: list[float], room: list[int]) -> list[int]:
         """Drafts per request of a decode batch: ``acceptance`` its requests' measured rates,
@@ -147,21 +150,22 @@ class DraftLength:
         self.cost.observe(rows, seconds)
 
     def observe_drafting(self, positions: int, seconds: float) -> None:
-        """The proposer drafted ``positions`` steps (a draft model's forward passes) in
+        """The proposer ran ``positions`` one-token steps (a draft model's forward passes) in
         ``seconds``."""
         if positions:
             per, w = seconds / positions, ACCEPTANCE_WEIGHT
             old = self.draft_seconds or per
             self.draft_seconds = (1 - w) * old + w * per
 
-
-def update_acceptance(rate: float | None, drafted: int, accepted: int) -> float:
-    """A request's acceptance estimate after a step that verified ``drafted`` drafts and kept
-    ``accepted``: the rate per draft position reached, followed exponentially."""
-    current = PRIOR_ACCEPTANCE if rate is None else rate
-    if drafted == 0:
-        return current
-    # Positions tested: the accepted ones, plus the rejected one if any.
-    tested = accepted + (accepted < drafted)
-    observed = accepted / tested
-    return (1 - ACCEPTANCE_WEIGHT) * current + ACCEPTANCE_WEIGHT * observed
+    def observe_acceptance(self, rate: float | None, drafted: int, accepted: int) -> float:
+        """A request's acceptance estimate (None: none yet) after a step that verified
+        ``drafted`` drafts and kept ``accepted``: the rate per draft position reached,
+        followed exponentially; the prior for new requests follows it more slowly."""
+        current = self.prior if rate is None else rate
+        if drafted == 0:
+            return current
+        # Positions tested: the accepted ones, plus the rejected one if any.
+        tested = accepted + (accepted < drafted)
+        observed = accepted / tested
+        self.prior = (1 - PRIOR_WEIGHT) * self.prior + PRIOR_WEIGHT * observed
+        return (1 - ACCEPTANCE_WEIGHT) * current + ACCEPTANCE_WEIGHT * observed

@@ -15,6 +15,8 @@ the drafts; those of rejected drafts are written over later, or given back with 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engine.core.config import CacheConfig
@@ -68,17 +70,18 @@ class Drafter:
         )  # fmt: skip
 
     @torch.inference_mode()
-    def propose(self, out: SchedulerOutput) -> int:
+    def propose(self, out: SchedulerOutput) -> tuple[int, float]:
         """Carries out the step's cache ops on the draft's cache, then fills the draft slots of
         the speculating requests (``token_ids`` gains ``num_drafts`` tokens). Returns how many
-        draft-model steps it ran (0: none speculates)."""
+        one-token draft steps it ran after the first (which also computes the contexts) and
+        the seconds they took: what one more drafted position costs."""
         if out.has_cache_ops:
             self.runner.apply_cache_ops(out)
         todo = [s for s in out.scheduled if s.num_drafts]
         if not todo:
-            return 0
+            return 0, 0.0
         drafts = self._first(todo)
-        steps = 1
+        steps, start = 0, time.perf_counter()
         while True:
             going = [s for s in todo if len(drafts[s.request_id]) < s.num_drafts]
             if not going:
@@ -92,7 +95,7 @@ class Drafter:
             steps += 1
         for s in todo:
             s.token_ids = s.token_ids + drafts[s.request_id]
-        return steps
+        return steps, time.perf_counter() - start
 
     def _first(self, todo: list[ScheduledRequest]) -> dict[str, list[int]]:
         """The draft's catch-up on each request's context and its first draft. A context longer

@@ -200,7 +200,7 @@ class PagedFakeRunner:
                     p = s.start_pos + i
                     self.device[gi][self.slot(gi, s.block_tables[gi], p)] = (tok, p)
             if s.sample:
-                sampled[s.request_id] = next_token(context)
+                sampled[s.request_id] = [next_token(context)]
         return sampled
 
 

@@ -44,7 +44,7 @@ class FakeRunner:
             cache.extend(s.token_ids)
             assert len(s.block_tables[0]) * BS >= len(cache), "blocks must cover the context"
             if s.sample:
-                sampled[s.request_id] = next_token(cache)
+                sampled[s.request_id] = [next_token(cache)]
         return sampled
 
 

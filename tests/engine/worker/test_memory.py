@@ -73,7 +73,7 @@ def test_profile_run_steps_every_layout_at_the_largest_size(tmp_path, monkeypatc
             assert len(t) == group.spec.num_blocks(len(s.token_ids), 16)
     # Every prompt sampled; the first also with logprobs and its prompt's logprobs.
     assert all(not isinstance(r, Exception) for r in sampled.values()) and len(sampled) == 4
-    assert sampled["profile-0"][1] is not None
+    assert sampled["profile-0"][0][1] is not None
     assert len(prompt_logprobs["profile-0"][1]) == 49
     assert runner.kv_caches == [] and runner.cache_config is None  # the pool is freed
 
