@@ -15,7 +15,7 @@ import ipaddress
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -390,6 +390,18 @@ def parse_metrics(text: str) -> tuple[dict[str, float], dict[str, float]]:
         if len(by_label) > 1:
             gauges.update({f"{suffix}{{{lab}}}": v for lab, v in by_label.items()})
     return gauges, counters
+
+
+def spec_acceptance(counters: Mapping[str, float]) -> float | None:
+    """Speculative decoding's accepted drafts, % of those verified (None: nothing drafted)."""
+    drafted = counter_sum(counters, "spec_decode_num_draft_tokens_total")
+    accepted = counter_sum(counters, "spec_decode_num_accepted_tokens_total")
+    return 100 * accepted / drafted if drafted else None
+
+
+def counter_sum(counters: Mapping[str, float], suffix: str) -> float:
+    """Sum of ``prefix:suffix{any labels}`` (``kvserve:`` or ``vllm:``)."""
+    return sum(v for k, v in counters.items() if k.partition("{")[0].endswith(":" + suffix))
 
 
 @dataclass
@@ -970,6 +982,9 @@ def format_summary(result: BenchResult) -> str:
     m = result.metrics
     if m.t_s:
         lines.append("{:-^{w}}".format(" Server /metrics ", w=w))
+        accepted = spec_acceptance(m.counter_deltas)
+        if accepted is not None:
+            row("Speculative drafts accepted (%):", accepted, ".1f")
         for name in SCRAPED_GAUGES:
             vals = [v for v in m.values.get(name, []) if v is not None]
             row(f"Peak {name}:", max(vals) if vals else None, ".4g")

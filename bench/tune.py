@@ -48,9 +48,11 @@ from bench.loadtest import (
     BenchError,
     BenchResult,
     _json_safe,
+    counter_sum,
     load_dataset,
     parse_metrics,
     run_benchmark,
+    spec_acceptance,
 )
 from engine.args import EngineArgs, add_cli_args, from_cli_args
 from models.fetch import resolve_model
@@ -196,6 +198,7 @@ class PointMetrics:
     p99_itl_ms: float | None
     mean_tpot_ms: float | None
     prefix_hit_pct: float | None  # prompt tokens served by the prefix cache, % of those asked
+    spec_accept_pct: float | None  # drafted tokens accepted, % (None: no speculation)
     preemptions: float
     context_overflows: float
     rejected: int  # 429: refused by admission control
@@ -217,16 +220,12 @@ class PointMetrics:
             p99_itl_ms=s.itl.p99_ms,
             mean_tpot_ms=s.tpot.mean_ms,
             prefix_hit_pct=100 * hits / queries if queries else None,
+            spec_accept_pct=spec_acceptance(counters),
             preemptions=counter_sum(counters, "num_preemptions_total"),
             context_overflows=counter_sum(counters, "context_overflows_total"),
             rejected=rejected,
             errors=s.failed - rejected,
         )
-
-
-def counter_sum(counters: Mapping[str, float], suffix: str) -> float:
-    """Sum of ``prefix:suffix{any labels}`` (``kvserve:`` or ``vllm:``)."""
-    return sum(v for k, v in counters.items() if k.partition("{")[0].endswith(":" + suffix))
 
 
 @dataclass
@@ -482,6 +481,7 @@ COLUMNS = (
     ("p99_itl_ms", "p99 ITL ms", ".1f"),
     ("mean_tpot_ms", "mean TPOT ms", ".1f"),
     ("prefix_hit_pct", "prefix hit %", ".1f"),
+    ("spec_accept_pct", "drafts accepted %", ".1f"),
     ("preemptions", "preempt", "g"),
     ("context_overflows", "ctx overflow", "g"),
     ("rejected", "429", "d"),
