@@ -31,6 +31,11 @@ PRIOR_WEIGHT = 0.05
 COST_DECAY = 0.98
 # A step of r rows costs a (1 + PRIOR_ROW_COST r) until steps have been measured.
 PRIOR_ROW_COST = 0.2
+# After this many decode steps without drafts, one request drafts EXPLORE_DRAFTS tokens, so
+# that the estimates that stopped speculation (one slow step, a few unlucky requests) are
+# measured again; on a batch that does not pay it costs one step in EXPLORE_AFTER a few rows.
+EXPLORE_AFTER = 32
+EXPLORE_DRAFTS = 3
 
 
 @dataclass(frozen=True)
@@ -129,6 +134,7 @@ class DraftLength:
     draft_seconds: float = 0.0  # the proposer's cost per drafted position of one step
     # Acceptance over recent requests: where a new request's own estimate starts.
     prior: float = PRIOR_ACCEPTANCE
+    idle_steps: int = 0  # decode steps since one last drafted
 
     def choose(self, acceptance: list[float], room: list[int]) -> list[int]:
         """Drafts per request of a decode batch: ``acceptance`` its requests' measured rates,
@@ -136,6 +142,15 @@ class DraftLength:
         most = min(self.config.most, max(room, default=0))
         if not self.config.adaptive or most == 0:
             return [min(most, r) for r in room]
+        chosen = self._best(acceptance, room, most)
+        self.idle_steps = 0 if any(chosen) else self.idle_steps + 1
+        if self.idle_steps >= EXPLORE_AFTER:
+            self.idle_steps = 0
+            first = next(i for i, r in enumerate(room) if r)
+            chosen[first] = min(EXPLORE_DRAFTS, room[first])
+        return chosen
+
+    def _best(self, acceptance: list[float], room: list[int], most: int) -> list[int]:
         batch = len(acceptance)
         best, best_rate = 0, batch / self.cost.seconds(batch)
         for k in range(1, most + 1):
