@@ -41,9 +41,11 @@ class ScheduledRequest:
     # before the forward pass); the rows of all of them and of the token before are sampled.
     num_drafts: int = 0
     # For a draft model: its cache holds positions before draft_start, and draft_context are
-    # the tokens from there to start_pos, which it computes before drafting.
+    # the tokens from there to start_pos, which it computes before drafting; with
+    # draft_prefill it computes them and token_ids (a prompt chunk) without drafting.
     draft_start: int = 0
     draft_context: list[int] = field(default_factory=list)
+    draft_prefill: bool = False
 
 
 @dataclass
@@ -362,9 +364,15 @@ class Scheduler:
             output_token_ids=req.output_token_ids,
             num_drafts=num_drafts,
         )
-        if num_drafts and self.speculation.method == "draft_model":
+        if self.speculation is None or self.speculation.method != "draft_model":
+            return plain
+        # A draft model computes the prompt with the target, so that its first drafts do not
+        # wait for it.
+        prefill = not num_drafts and n > 1 and _speculates(req.params)
+        if num_drafts or prefill:
             plain.draft_start = req.num_draft_computed
             plain.draft_context = req.token_ids[req.num_draft_computed : start]
+            plain.draft_prefill = prefill
         return plain
 
     def _preempt(self, step: _Step, candidates: list[Request]) -> tuple[Request, bool]:
@@ -417,6 +425,8 @@ class Scheduler:
             req.num_computed_tokens += len(s.token_ids) - s.num_drafts + accepted
             if s.num_drafts:
                 self._count_drafts(req, s, accepted)
+            elif s.draft_prefill:
+                req.num_draft_computed = s.start_pos + len(s.token_ids)
             if self.kv.prefix_caching:
                 known = req.token_ids + tokens[:accepted]
                 req.num_registered_blocks = self.kv.cache_blocks(

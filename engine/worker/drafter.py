@@ -77,6 +77,9 @@ class Drafter:
         the seconds they took: what one more drafted position costs."""
         if out.has_cache_ops:
             self.runner.apply_cache_ops(out)
+        prompts = [s for s in out.scheduled if s.draft_prefill]
+        if prompts:
+            self._compute([(s, s.draft_start, s.draft_context + s.token_ids) for s in prompts])
         todo = [s for s in out.scheduled if s.num_drafts]
         if not todo:
             return 0, 0.0
@@ -98,24 +101,32 @@ class Drafter:
         return steps, time.perf_counter() - start
 
     def _first(self, todo: list[ScheduledRequest]) -> dict[str, list[int]]:
-        """The draft's catch-up on each request's context and its first draft. A context longer
-        than a step's token budget is computed in budget-sized pieces first."""
-        pending = {s.request_id: (s.draft_start, s.draft_context + s.token_ids[:1]) for s in todo}
-        tables = {s.request_id: s for s in todo}
-        while True:
-            long = {rid: v for rid, v in pending.items() if len(v[1]) > self.max_chunk}
-            if not long:
-                break
-            pieces = []
-            for rid, (start, tokens) in long.items():
-                head = tokens[: self.max_chunk]
-                pieces.append(self._chunk(tables[rid], head, start, sample=False))
-                pending[rid] = (start + len(head), tokens[len(head) :])
-            self.runner.execute(SchedulerOutput(pieces, num_decodes=0))
-        batch = [self._chunk(tables[r], tokens, start) for r, (start, tokens) in pending.items()]
+        """The draft's catch-up on each request's context and its first draft."""
+        rest = self._compute(
+            [(s, s.draft_start, s.draft_context + s.token_ids[:1]) for s in todo], keep_last=True
+        )
+        batch = [self._chunk(s, tokens, start) for s, start, tokens in rest]
         batch.sort(key=lambda s: len(s.token_ids) != 1)  # one-token sequences first
         num_decodes = sum(1 for s in batch if len(s.token_ids) == 1)
         return {rid: [t] for rid, t in self._greedy(batch, num_decodes).items()}
+
+    def _compute(
+        self, work: list[tuple[ScheduledRequest, int, list[int]]], keep_last: bool = False
+    ) -> list[tuple[ScheduledRequest, int, list[int]]]:
+        """Computes (request, start position, tokens) into the draft's cache, in pieces of at
+        most a step's token budget; with ``keep_last`` each request's last piece is left, and
+        returned, for a step that samples."""
+        while True:
+            long = [w for w in work if len(w[2]) > (self.max_chunk if keep_last else 0)]
+            if not long:
+                return work
+            pieces, work = [], [w for w in work if w not in long]
+            for s, start, tokens in long:
+                head = tokens[: self.max_chunk]
+                pieces.append(self._chunk(s, head, start, sample=False))
+                if len(tokens) > len(head):
+                    work.append((s, start + len(head), tokens[len(head) :]))
+            self.runner.execute(SchedulerOutput(pieces, num_decodes=0))
 
     def _greedy(self, batch: list[ScheduledRequest], num_decodes: int) -> dict[str, int]:
         sampled, _ = self.runner.execute(SchedulerOutput(batch, num_decodes=num_decodes))
