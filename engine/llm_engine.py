@@ -332,14 +332,8 @@ class LLMEngine:
             self.runner.sampler.forget(out.finished_ids)
             self._record_step()
             return []
-        try:
-            if self.drafter is not None:
-                steps, seconds = self.drafter.propose(out)
-                self.scheduler.draft_length.observe_drafting(steps, seconds)
-        except Exception as e:
-            log.exception("drafting failed; failing the step's %d requests", len(out.scheduled))
-            reqs = [self.scheduler.requests.get(s.request_id) for s in out.scheduled]
-            return self._fail([r for r in reqs if r is not None], _describe("drafting", e))
+        if self.drafter is not None:
+            self._draft(out)
         if self.workers is not None:
             self.workers.step(out)  # raises EngineDeadError when a rank has gone
         try:
@@ -370,6 +364,19 @@ class LLMEngine:
                 outputs += self._fail([req], _describe("post-processing", e))
         self._record_step()
         return outputs
+
+    def _draft(self, out) -> None:
+        """The draft model fills the step's draft slots; if it fails, the step goes on without
+        drafts (the draft's cache then holds what it held before)."""
+        known = [len(s.token_ids) for s in out.scheduled]
+        try:
+            steps, seconds = self.drafter.propose(out)
+        except Exception:
+            log.exception("the draft model failed; this step verifies no drafts")
+            for s, n in zip(out.scheduled, known):
+                s.token_ids, s.num_drafts, s.draft_prefill = s.token_ids[:n], 0, False
+            return
+        self.scheduler.draft_length.observe_drafting(steps, seconds)
 
     def record_gauges(self) -> None:
         """The running/waiting/swapped gauges and KV usage, as they are now."""

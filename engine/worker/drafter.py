@@ -44,9 +44,9 @@ class Drafter:
         """Raises unless the draft's cache can share the target's block tables, and its
         tokens are the target's."""
         draft = self.runner.config.model_config
-        if draft.vocab_size > target_vocab:
+        if draft.vocab_size != target_vocab:
             raise ValueError(
-                f"the draft model's vocabulary ({draft.vocab_size}) is larger than the "
+                f"the draft model's vocabulary ({draft.vocab_size} tokens) differs from the "
                 f"target's ({target_vocab}): they do not share a tokenizer"
             )
         kinds = [(type(g.spec).__name__, g.spec.window) for g in self.groups]

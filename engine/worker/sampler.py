@@ -120,12 +120,13 @@ class Sampler:
         request the drafts it accepts and one token of the target's own after them, each
         with its logprob record, or the exception that request alone raised.
 
-        Greedy: a draft is accepted while it is the target's choice, so the tokens are those
-        of decoding without drafts. Sampled: the draft d at a row whose target distribution
-        is p (after every filter) is accepted with probability p(d), and after a rejection
-        the token is drawn from p without d, renormalized (Leviathan et al.'s rule for a draft
-        that proposes d with certainty): each token follows p exactly. Each request draws
-        ``len(drafts) + 1`` numbers a step, from its own generator when it has a seed."""
+        Each row is sampled as decoding without drafts would sample it (the same filters, the
+        same uniform number from the same generator, drawn only for the rows that yield a
+        token), and a draft is accepted while it equals the row's token. For a draft that
+        proposes one token with certainty this is Leviathan et al.'s rule: the draft d is kept
+        with probability p(d), and otherwise the token follows p without d, renormalized; so
+        each token follows p exactly, greedy tokens are the target's own, and a seeded request
+        gives the tokens it gives without speculation."""
         if not any(drafts):
             singles = self.sample(logits, request_ids, params, prompt_ids, output_ids, masks)
             return [r if isinstance(r, Exception) else [r] for r in singles]
@@ -173,31 +174,17 @@ class Sampler:
             tokens = best[: j + 1]
         else:
             gen = self._generator(request_id, p)
-            uniform = torch.rand(k + 1, generator=gen, device=self.device).to(x.device)
-            probs = self._dense_probs(x, [p] * (k + 1))
-            at = torch.arange(k, device=x.device)
-            accept = (uniform[:k] < probs[at, _index(drafts, x.device)]).tolist()
-            j = accept.index(False) if False in accept else k
-            row = probs[j].clone()
-            if j < k:
-                row[drafts[j]] = 0.0
-            tokens = drafts[:j] + _invert(row[None], uniform[k:]).tolist()
+            tokens = []
+            for t in range(k + 1):
+                uniform = torch.rand(1, generator=gen, device=self.device).to(x.device)
+                tokens.append(int(self._draw_rows(x[t : t + 1], [p], uniform)[0]))
+                if t == k or tokens[-1] != drafts[t]:
+                    break
         records: list[TokenLogprob | None] = [None] * len(tokens)
         if p.logprobs is not None:
             table = _logprob_table(x[: len(tokens)], _index(tokens, x.device), p.logprobs)
             records = _records(table.tolist(), tokens, [p.logprobs] * len(tokens))
         return list(zip(tokens, records))
-
-    def _dense_probs(self, x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """Processed logits [m, V] -> each row's sampling distribution after temperature,
-        top-k, top-p and min-p, normalized."""
-        probs, nucleus = self._filter(x.clone(), params, own=True)
-        if nucleus is not None:
-            js, values, ids = nucleus
-            index = _index(js, x.device)
-            dense = torch.zeros(len(js), x.shape[1], device=x.device)
-            probs[index] = dense.scatter_(1, ids, values)
-        return probs / probs.sum(dim=-1, keepdim=True)
 
     def _sample(self, logits, request_ids, params, prompt_ids, output_ids) -> list:
         if all(

@@ -188,12 +188,13 @@ class Grammars:
 
     def _fill(self, rows: list[tuple[llguidance.LLMatcher, int, list[int]]], n: int) -> np.ndarray:
         bitmask = llguidance.numpy.allocate_token_bitmask(n, self.vocab_size)  # all allowed
-        if any(d for _, _, d in rows):
+        drafted = [row for row in rows if row[2]]  # llguidance refuses empty drafts
+        plain = [(m, i) for m, i, d in rows if not d]
+        if drafted:
             llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(
-                self.executor, rows, bitmask
+                self.executor, drafted, bitmask
             )
-        elif rows:
-            plain = [(m, i) for m, i, _ in rows]
+        if plain:
             llguidance.numpy.fill_next_token_bitmask_par(self.executor, plain, bitmask)
         return bitmask
 

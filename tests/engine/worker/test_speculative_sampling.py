@@ -385,13 +385,6 @@ def test_greedy_verification_rejects_a_draft_the_constraint_forbids(grammars):
     assert allowed(after[0]) == allowed(fresh[0])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="BUG: Grammars._fill (engine/worker/structured.py:191) hands every constrained row to "
-    "llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens as soon as one has drafts; "
-    "llguidance raises ValueError('Draft tokens must not be empty') for a row without any",
-)
 def test_constrained_requests_with_and_without_drafts_fill_their_masks_together(grammars):
     c = Constraint("json", OBJECT)
     tokens = grammars.tokenizer.tokenize_str('{"a": 12}')
