@@ -82,12 +82,7 @@ class LLMEngine:
         self.runner = ModelRunner(runner_config, TPRank(0, tp_size), self.grammars)
         dtype = runner_config.dtype
         self.speculation = args.speculative_config()
-        self.drafter = None
-        if self.speculation is not None and self.speculation.method == "draft_model":
-            draft_path = resolve_model(args.speculative_model)
-            draft_config = args.runner_config(ModelConfig.from_dir(draft_path), eos)
-            self.drafter = Drafter(draft_config, args.max_num_batched_tokens)
-            self.drafter.check(self.runner.groups, vocab)
+        self.drafter = self._load_drafter(eos)
         self.cache_config = self._cache_config(self.runner.groups)
         self.runner.allocate_kv_cache(self.cache_config)
         if self.drafter is not None:
@@ -129,6 +124,10 @@ class LLMEngine:
         # Prompt logprobs gathered chunk by chunk until the request's first output.
         self._prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         self._queue_wait = 1.0  # recent time from arrival to scheduling, for Retry-After
+        self._log_start(dtype)
+
+    def _log_start(self, dtype: str) -> None:
+        args = self.args
         log.info(
             "model %s (%s, %s on %s, %s attention), max_model_len %d; %d torch threads; "
             "CPU kernels: %s\n%s",
@@ -150,6 +149,22 @@ class LLMEngine:
             f" to {swap} host blocks" if swap else "",
             f"up to {args.max_queue_len} requests" if args.max_queue_len else "unbounded",
         )
+        spec = self.speculation
+        if spec is not None:
+            source = f" from {args.speculative_model}" if self.drafter is not None else ""
+            length = "adaptive, up to" if spec.adaptive else "exactly"
+            log.info("speculative decoding: %s%s, %s %d drafts a step", spec.method, source,
+                     length, spec.most)  # fmt: skip
+
+    def _load_drafter(self, eos: tuple[int, ...]) -> Drafter | None:
+        """The draft model, for the draft_model method; checked against the target's."""
+        if self.speculation is None or self.speculation.method != "draft_model":
+            return None
+        args = self.args
+        config = ModelConfig.from_dir(resolve_model(args.speculative_model))
+        drafter = Drafter(args.runner_config(config, eos), args.max_num_batched_tokens)
+        drafter.check(self.runner.groups, self.model_config.vocab_size)
+        return drafter
 
     def _cache_config(self, groups: list[KVCacheGroup]) -> CacheConfig:
         """Pools from --num-kv-blocks, or sized to the KV memory; a swap pool with swap."""

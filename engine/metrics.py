@@ -107,6 +107,13 @@ class EngineMetrics:
         self.rejected = counter(
             "requests_rejected", "Requests refused before any work, by reason.", ("reason",)
         )
+        self._speculation_counters(counter)
+        self.cache_config = Info(
+            "kvserve:cache_config", "KV-cache layout and capacity.", registry=r
+        )
+        self._export_known_labels()
+
+    def _speculation_counters(self, counter) -> None:
         self.spec_draft_tokens = counter(
             "spec_decode_num_draft_tokens",
             "Speculative decoding: drafted tokens the target verified, by method.",
@@ -122,10 +129,6 @@ class EngineMetrics:
             "Speculative decoding: accepted drafts by position in their run (0: the first).",
             ("method", "position"),
         )
-        self.cache_config = Info(
-            "kvserve:cache_config", "KV-cache layout and capacity.", registry=r
-        )
-        self._export_known_labels()
 
     def _export_known_labels(self) -> None:
         """Every known label value exported from the start, at 0: a dashboard's rate() and an

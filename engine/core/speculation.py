@@ -1,5 +1,5 @@
 """Speculative decoding, the scheduler's side: how many tokens each request drafts in a step,
-and the n-gram proposer. Pure Python (and numpy).
+and the n-gram proposer. Pure Python.
 
 A speculating request is scheduled with its last sampled token and ``k`` draft slots. Before the
 forward pass the proposer fills the slots (n-gram prompt lookup here; a draft model in
@@ -18,8 +18,6 @@ is 0 where a step is compute-bound: a large batch is never slower than without s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import numpy as np
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 # Prior acceptance of a request's drafts until its own is measured, and how fast the measured
@@ -70,17 +68,17 @@ class SpeculativeConfig:
 def ngram_propose(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
     """Prompt lookup: the up to ``k`` tokens that followed the latest earlier occurrence of the
     context's last n tokens (the longest n in ``n_max..n_min`` that occurs); [] if none does."""
-    if k <= 0 or len(token_ids) < n_min + 1:
+    size = len(token_ids)
+    if k <= 0 or size < n_min + 1:
         return []
-    ids = np.asarray(token_ids, dtype=np.int64)
-    for n in range(min(n_max, len(ids) - 1), n_min - 1, -1):
-        tail = ids[-n:]
-        # Windows that end before the last token: a match must have a continuation.
-        windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)
-        hits = np.flatnonzero((windows == tail).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return ids[start : start + k].tolist()
+    last = token_ids[-1]
+    # Where the last token occurred before (each a match must end at), latest last.
+    ends = [i for i, t in enumerate(token_ids[:-1]) if t == last]
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        tail = token_ids[size - n :]
+        for i in reversed(ends):
+            if i >= n - 1 and token_ids[i - n + 1 : i + 1] == tail:
+                return token_ids[i + 1 : i + 1 + k]
     return []
 
 

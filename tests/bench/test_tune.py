@@ -45,6 +45,7 @@ def metrics(**kw) -> PointMetrics:
         p99_itl_ms=50.0,
         mean_tpot_ms=40.0,
         prefix_hit_pct=None,
+        spec_accept_pct=None,
         preemptions=0.0,
         context_overflows=0.0,
         rejected=0,
@@ -82,6 +83,20 @@ def test_sweep_values_take_the_type_of_their_field(text, name, values):
     sweep = parse_sweep(text, FIELDS)
     assert sweep == Sweep(name, values)
     assert [type(v) for v in sweep.values] == [type(v) for v in values]
+
+
+def test_speculation_settings_sweep_into_valid_points():
+    base = EngineArgs(model="m")
+    sweeps = [
+        parse_sweep("speculative-method=ngram", FIELDS),
+        parse_sweep("num-speculative-tokens=none,2,4", FIELDS),
+    ]
+    points = sweep_points(base, sweeps)
+    configs = [args.speculative_config() for _, args in points]
+    assert [c.method for c in configs] == ["ngram"] * 3
+    assert [c.num_tokens for c in configs] == [None, 2, 4] and configs[0].adaptive
+    with pytest.raises(ValueError, match="needs a speculative method"):
+        sweep_points(base, [parse_sweep("num_speculative_tokens=2", FIELDS)])
 
 
 def test_int_or_float_fields_keep_integers_integral():
