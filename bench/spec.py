@@ -158,9 +158,9 @@ def run(server: Server, port: int, log_dir: Path, rewrite: str) -> dict:
             return {"error": f"did not start (see {log_dir / server.name}.log)"}
         asyncio.run(workload(root, [QUESTIONS[0]], 1, 16))  # warm-up, not kept
         return {
-            "code rewrite, 1 stream": asyncio.run(workload(root, [rewrite] * 3, 1, 600)),
-            "questions, 1 stream": asyncio.run(workload(root, list(QUESTIONS[:4]), 1, 200)),
-            "questions, 8 concurrent": asyncio.run(workload(root, list(QUESTIONS), 8, 200)),
+            "code rewrite, 1 stream": asyncio.run(workload(root, [rewrite] * 2, 1, 600)),
+            "questions, 1 stream": asyncio.run(workload(root, list(QUESTIONS[:3]), 1, 150)),
+            "questions, 8 concurrent": asyncio.run(workload(root, list(QUESTIONS), 8, 150)),
         }
 
 
