@@ -347,14 +347,14 @@ class LLMEngine:
             self.runner.sampler.forget(out.finished_ids)
             self._record_step()
             return []
-        if self.drafter is not None:
-            self._draft(out)
+        started = time.perf_counter()
+        catch_up = self._draft(out) if self.drafter is not None else 0.0
         if self.workers is not None:
             self.workers.step(out)  # raises EngineDeadError when a rank has gone
         try:
             start = time.perf_counter()
             sampled, prompt_logprobs = self.runner.execute(out)
-            self.scheduler.observe_step(out, time.perf_counter() - start)
+            forward_s = time.perf_counter() - start
         except Exception as e:
             log.exception("engine step failed; failing its %d requests", len(out.scheduled))
             reqs = [self.scheduler.requests.get(s.request_id) for s in out.scheduled]
@@ -371,6 +371,8 @@ class LLMEngine:
         got = self.scheduler.update(
             out, {rid: [t for t, _ in s] for rid, s in sampled.items() if rid not in failed}
         )
+        step_s = time.perf_counter() - started - catch_up
+        self.scheduler.observe_step(out, forward_s, step_s, sum(kept for _, kept in got))
         for req, kept in got:
             try:
                 outputs.append(self._output(req, sampled[req.request_id][:kept]))
@@ -380,18 +382,20 @@ class LLMEngine:
         self._record_step()
         return outputs
 
-    def _draft(self, out) -> None:
+    def _draft(self, out) -> float:
         """The draft model fills the step's draft slots; if it fails, the step goes on without
-        drafts (the draft's cache then holds what it held before)."""
+        drafts (the draft's cache then holds what it held before). Returns the seconds it spent
+        catching up rather than drafting."""
         known = [len(s.token_ids) for s in out.scheduled]
         try:
-            steps, seconds = self.drafter.propose(out)
+            steps, seconds, catch_up = self.drafter.propose(out)
         except Exception:
             log.exception("the draft model failed; this step verifies no drafts")
             for s, n in zip(out.scheduled, known):
                 s.token_ids, s.num_drafts, s.draft_prefill = s.token_ids[:n], 0, False
-            return
+            return 0.0
         self.scheduler.draft_length.observe_drafting(steps, seconds)
+        return catch_up
 
     def record_gauges(self) -> None:
         """The running/waiting/swapped gauges and KV usage, as they are now."""

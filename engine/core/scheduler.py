@@ -24,7 +24,7 @@ from engine.core.preemption import Preemption
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import RequestQueue, queue_key
 from engine.core.sampling_params import SamplingParams
-from engine.core.speculation import DraftLength, SpeculativeConfig, ngram_propose
+from engine.core.speculation import LAG_TOKENS, DraftLength, SpeculativeConfig, ngram_propose
 
 
 @dataclass
@@ -323,7 +323,7 @@ class Scheduler:
             for req, n in step.scheduled.values()
             if n == 1 and req.num_computed_tokens == req.num_tokens - 1 and _speculates(req.params)
         ]
-        room = [self._draft_room(req) for req in decoding]
+        room = [self._draft_room(req, alone=len(decoding) == 1) for req in decoding]
         prior = self.draft_length.prior
         acceptance = [prior if r.acceptance is None else r.acceptance for r in decoding]
         for req, k in zip(decoding, self.draft_length.choose(acceptance, room)):
@@ -340,11 +340,17 @@ class Scheduler:
             step.scheduled[req.request_id] = (req, 1 + k)
             step.drafts[req.request_id] = drafts
 
-    def _draft_room(self, req: Request) -> int:
+    def _draft_room(self, req: Request, alone: bool) -> int:
         """Most tokens ``req`` may draft: all of them and the target's own token stay within
         max_tokens and the context (where a context policy acts only after the last), and
         within a block, so that a ring's rejected writes never reach positions its window still
-        reads."""
+        reads. Choosing for itself, in a batch, none where a draft model fell behind on it:
+        catching up costs a prefill of what it missed, which a single stream pays back over its
+        answer but which holds up a whole batch."""
+        config = self.speculation
+        behind = req.num_computed_tokens - req.num_draft_computed > LAG_TOKENS
+        if config.adaptive and config.method == "draft_model" and behind and not alone:
+            return 0
         room = self.config.max_model_len - req.num_tokens - 1
         if req.params.max_tokens is not None:
             room = min(room, req.params.max_tokens - req.num_output_tokens - 1)
@@ -367,8 +373,10 @@ class Scheduler:
         if self.speculation is None or self.speculation.method != "draft_model":
             return plain
         # A draft model computes the prompt with the target, so that its first drafts do not
-        # wait for it.
-        prefill = not num_drafts and n > 1 and _speculates(req.params)
+        # wait for it (choosing for itself, where drafting pays at the size of the batch).
+        adaptive = self.speculation.adaptive
+        drafting = not adaptive or self.draft_length.pays(len(self.running))
+        prefill = not num_drafts and n > 1 and drafting and _speculates(req.params)
         if num_drafts or prefill:
             plain.draft_start = req.num_draft_computed
             plain.draft_context = req.token_ids[req.num_draft_computed : start]
@@ -457,13 +465,18 @@ class Scheduler:
         if self.speculation.method == "draft_model":
             req.num_draft_computed = min(req.num_computed_tokens, s.start_pos + s.num_drafts)
 
-    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """A decode step's cost, for choosing later draft lengths; steps with prefill chunks
-        say nothing about it."""
-        if self.draft_length is None:
+    def observe_step(
+        self, out: SchedulerOutput, forward_s: float, step_s: float, tokens: int
+    ) -> None:
+        """A decode step's cost (its forward pass took ``forward_s``, the whole step with
+        drafting ``step_s``) and yield (``tokens``), for choosing later draft lengths; steps
+        with prefill chunks say nothing about either."""
+        if self.draft_length is None or not out.scheduled:
             return
         if all(s.sample and len(s.token_ids) == 1 + s.num_drafts for s in out.scheduled):
-            self.draft_length.observe_step(out.num_tokens, seconds)
+            self.draft_length.observe_step(out.num_tokens, forward_s)
+            drafted = any(s.num_drafts for s in out.scheduled)
+            self.draft_length.observe_yield(len(out.scheduled), drafted, tokens, step_s)
 
     def _check_stop(self, req: Request, token: int) -> None:
         params = req.params

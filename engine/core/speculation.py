@@ -12,7 +12,10 @@ costs about ``a + b r`` seconds (fitted over the recent decode steps), each draf
 costs the proposer ``c`` seconds per sequence (a draft model's step), and a request whose
 drafts are each accepted with probability ``p`` gets ``(1 - p^(k+1)) / (1 - p)`` tokens from a
 step that drafts ``k``. The batch drafts the ``k`` that gives the most tokens per second, which
-is 0 where a step is compute-bound: a large batch is never slower than without speculation.
+is 0 where a step is compute-bound. The model is checked against what it yields: per batch
+size, the tokens per second of whole steps (drafting included) with drafts and without; where
+drafting has yielded less, that batch size stops drafting (but for one step in
+``EXPLORE_AFTER``, so that the figure stays current).
 """
 
 from __future__ import annotations
@@ -29,11 +32,17 @@ PRIOR_WEIGHT = 0.05
 COST_DECAY = 0.98
 # A step of r rows costs a (1 + PRIOR_ROW_COST r) until steps have been measured.
 PRIOR_ROW_COST = 0.2
-# After this many decode steps without drafts, one request drafts EXPLORE_DRAFTS tokens, so
-# that the estimates that stopped speculation (one slow step, a few unlucky requests) are
-# measured again; on a batch that does not pay it costs one step in EXPLORE_AFTER a few rows.
-EXPLORE_AFTER = 32
-EXPLORE_DRAFTS = 3
+# A draft model further behind a request than this fell behind (it did not draft for it), rather
+# than missing a step's accepted drafts.
+LAG_TOKENS = 16
+# Where drafting yielded less than not drafting, one step in EXPLORE_AFTER drafts anyway.
+EXPLORE_AFTER = 20
+# Drafting stops where it has yielded below this share of not drafting: a margin for the noise
+# of steps whose yield depends on how many drafts a rename or a new sentence cut short.
+VETO = 0.9
+# Tokens and seconds of a batch size's steps are summed with this decay per step, their ratio
+# the realized rate: a few steps' worth, not one lucky or unlucky step.
+REALIZED_DECAY = 0.9
 
 
 @dataclass(frozen=True)
@@ -132,7 +141,10 @@ class DraftLength:
     draft_seconds: float = 0.0  # the proposer's cost per drafted position of one step
     # Acceptance over recent requests: where a new request's own estimate starts.
     prior: float = PRIOR_ACCEPTANCE
-    idle_steps: int = 0  # decode steps since one last drafted
+    steps: int = 0  # decode steps chosen for
+    # Decayed sums of (tokens, seconds) of whole decode steps by (batch size, whether the
+    # step drafted).
+    sums: dict[tuple[int, bool], tuple[float, float]] = field(default_factory=dict)
 
     def choose(self, acceptance: list[float], room: list[int]) -> list[int]:
         """Drafts per request of a decode batch: ``acceptance`` its requests' measured rates,
@@ -141,12 +153,37 @@ class DraftLength:
         if not self.config.adaptive or most == 0:
             return [min(most, r) for r in room]
         chosen = self._best(acceptance, room, most)
-        self.idle_steps = 0 if any(chosen) else self.idle_steps + 1
-        if self.idle_steps >= EXPLORE_AFTER:
-            self.idle_steps = 0
-            first = next(i for i, r in enumerate(room) if r)
-            chosen[first] = min(EXPLORE_DRAFTS, room[first])
+        if any(chosen):
+            # The model proposes, what steps yielded disposes: a batch size drafts once its
+            # steps without drafts are measured, and stops where drafting has yielded less
+            # (but for a step now and then, to see whether that still holds).
+            batch = len(room)
+            plain, drafting = self.realized.get((batch, False)), self.realized.get((batch, True))
+            self.steps += 1
+            if plain is None or (
+                drafting is not None and drafting < VETO * plain and self.steps % EXPLORE_AFTER
+            ):
+                chosen = [0] * batch
         return chosen
+
+    def pays(self, batch: int) -> bool:
+        """Whether drafting has yielded more than not drafting at this batch size (not yet
+        measured: for a single stream only)."""
+        plain, drafting = self.realized.get((batch, False)), self.realized.get((batch, True))
+        if plain is None or drafting is None:
+            return batch == 1
+        return drafting > plain
+
+    def observe_yield(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A decode step of ``batch`` requests (``drafted``: with drafts) gave ``tokens`` in
+        ``seconds``, drafting included."""
+        t, s = self.sums.get((batch, drafted), (0.0, 0.0))
+        self.sums[batch, drafted] = (REALIZED_DECAY * t + tokens, REALIZED_DECAY * s + seconds)
+
+    @property
+    def realized(self) -> dict[tuple[int, bool], float]:
+        """Tokens per second by (batch size, drafted)."""
+        return {key: t / s for key, (t, s) in self.sums.items() if s > 0}
 
     def _best(self, acceptance: list[float], room: list[int], most: int) -> list[int]:
         batch = len(acceptance)

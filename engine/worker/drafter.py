@@ -22,6 +22,7 @@ import torch
 from engine.core.config import CacheConfig
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
+from engine.core.speculation import LAG_TOKENS
 from engine.worker.config import RunnerConfig
 from engine.worker.model_runner import ModelRunner
 from models.kv_spec import KVCacheGroup
@@ -70,20 +71,27 @@ class Drafter:
         )  # fmt: skip
 
     @torch.inference_mode()
-    def propose(self, out: SchedulerOutput) -> tuple[int, float]:
+    def propose(self, out: SchedulerOutput) -> tuple[int, float, float]:
         """Carries out the step's cache ops on the draft's cache, then fills the draft slots of
         the speculating requests (``token_ids`` gains ``num_drafts`` tokens). Returns how many
-        one-token draft steps it ran after the first (which also computes the contexts) and
-        the seconds they took: what one more drafted position costs."""
+        one-token draft steps it ran after the first and the seconds they took (what one more
+        drafted position costs), and the seconds it spent on prompt chunks and on contexts it
+        had fallen behind on (a cost of starting to draft, not of drafting)."""
         if out.has_cache_ops:
             self.runner.apply_cache_ops(out)
-        prompts = [s for s in out.scheduled if s.draft_prefill]
-        if prompts:
-            self._compute([(s, s.draft_start, s.draft_context + s.token_ids) for s in prompts])
+        start = time.perf_counter()
         todo = [s for s in out.scheduled if s.num_drafts]
+        # Behind by more than a step's accepted drafts: it did not draft for a while.
+        behind = {s.request_id for s in todo if len(s.draft_context) > LAG_TOKENS}
+        work = [(s, s.draft_start, s.draft_context + s.token_ids)
+                for s in out.scheduled if s.draft_prefill]  # fmt: skip
+        work += [(s, s.draft_start, s.draft_context) for s in todo if s.request_id in behind]
+        if work:
+            self._compute(work)
+        catch_up = time.perf_counter() - start
         if not todo:
-            return 0, 0.0
-        drafts = self._first(todo)
+            return 0, 0.0, catch_up
+        drafts = self._first(todo, behind)
         steps, start = 0, time.perf_counter()
         while True:
             going = [s for s in todo if len(drafts[s.request_id]) < s.num_drafts]
@@ -98,13 +106,18 @@ class Drafter:
             steps += 1
         for s in todo:
             s.token_ids = s.token_ids + drafts[s.request_id]
-        return steps, time.perf_counter() - start
+        return steps, time.perf_counter() - start, catch_up
 
-    def _first(self, todo: list[ScheduledRequest]) -> dict[str, list[int]]:
-        """The draft's catch-up on each request's context and its first draft."""
-        rest = self._compute(
-            [(s, s.draft_start, s.draft_context + s.token_ids[:1]) for s in todo], keep_last=True
-        )
+    def _first(self, todo: list[ScheduledRequest], behind: set[str]) -> dict[str, list[int]]:
+        """Each request's first draft, computing first what the draft lacks of its context
+        (but for the requests ``behind``, whose context is computed already)."""
+        work = [
+            (s, s.start_pos, s.token_ids[:1])
+            if s.request_id in behind
+            else (s, s.draft_start, s.draft_context + s.token_ids[:1])
+            for s in todo
+        ]
+        rest = self._compute(work, keep_last=True)
         batch = [self._chunk(s, tokens, start) for s, start, tokens in rest]
         batch.sort(key=lambda s: len(s.token_ids) != 1)  # one-token sequences first
         num_decodes = sum(1 for s in batch if len(s.token_ids) == 1)
