@@ -24,7 +24,13 @@ from engine.core.preemption import Preemption
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import RequestQueue, queue_key
 from engine.core.sampling_params import SamplingParams
-from engine.core.speculation import LAG_TOKENS, DraftLength, SpeculativeConfig, ngram_propose
+from engine.core.speculation import (
+    FIRST_DRAFTS,
+    LAG_TOKENS,
+    DraftLength,
+    SpeculativeConfig,
+    ngram_propose,
+)
 
 
 @dataclass
@@ -326,7 +332,9 @@ class Scheduler:
         room = [self._draft_room(req, alone=len(decoding) == 1) for req in decoding]
         prior = self.draft_length.prior
         acceptance = [prior if r.acceptance is None else r.acceptance for r in decoding]
-        for req, k in zip(decoding, self.draft_length.choose(acceptance, room)):
+        for req, k, r in zip(decoding, self.draft_length.choose(acceptance, room), room):
+            if req.acceptance is None:  # unmeasured: a few drafts, to measure it
+                k = max(k, min(FIRST_DRAFTS, r))
             k = min(k, step.budget)
             drafts = []
             if k and config.method == "ngram":

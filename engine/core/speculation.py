@@ -35,6 +35,9 @@ PRIOR_ROW_COST = 0.2
 # A draft model further behind a request than this fell behind (it did not draft for it), rather
 # than missing a step's accepted drafts.
 LAG_TOKENS = 16
+# A request whose acceptance is not measured yet drafts this many, whatever the estimates say:
+# requests differ (a rewrite repeats its prompt, a question does not), so each is measured.
+FIRST_DRAFTS = 3
 # Where drafting yielded less than not drafting, one step in EXPLORE_AFTER drafts anyway.
 EXPLORE_AFTER = 20
 # Drafting stops where it has yielded below this share of not drafting: a margin for the noise
