@@ -157,11 +157,18 @@ def run(server: Server, port: int, log_dir: Path, rewrite: str) -> dict:
         if root is None:
             return {"error": f"did not start (see {log_dir / server.name}.log)"}
         asyncio.run(workload(root, [QUESTIONS[0]], 1, 16))  # warm-up, not kept
-        return {
-            "code rewrite, 1 stream": asyncio.run(workload(root, [rewrite] * 2, 1, 600)),
-            "questions, 1 stream": asyncio.run(workload(root, list(QUESTIONS[:3]), 1, 150)),
-            "questions, 8 concurrent": asyncio.run(workload(root, list(QUESTIONS), 8, 150)),
+        loads = {
+            "code rewrite, 1 stream": ([rewrite] * 2, 1, 600),
+            "questions, 1 stream": (list(QUESTIONS[:3]), 1, 150),
+            "questions, 8 concurrent": (list(QUESTIONS), 8, 150),
         }
+        out = {}
+        for name, (texts, concurrency, max_tokens) in loads.items():
+            try:
+                out[name] = asyncio.run(workload(root, texts, concurrency, max_tokens))
+            except httpx.HTTPError as e:  # the server failed: the figure is missing, said why
+                return {"error": f"{name}: {type(e).__name__}: {e}", **out}
+        return out
 
 
 def merge(rounds: list[dict]) -> dict:

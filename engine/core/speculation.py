@@ -43,8 +43,8 @@ EXPLORE_AFTER = 20
 # Drafting stops where it has yielded below this share of not drafting: a margin for the noise
 # of steps whose yield depends on how many drafts a rename or a new sentence cut short.
 VETO = 0.9
-# Tokens and seconds of a batch size's steps are summed with this decay per step, their ratio
-# the realized rate: a few steps' worth, not one lucky or unlucky step.
+# Tokens and seconds of a batch size's steps are summed with this decay per step of that batch
+# size, their ratio the realized rate: a few steps' worth, not one lucky or unlucky step.
 REALIZED_DECAY = 0.9
 
 
@@ -180,8 +180,13 @@ class DraftLength:
     def observe_yield(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A decode step of ``batch`` requests (``drafted``: with drafts) gave ``tokens`` in
         ``seconds``, drafting included."""
-        t, s = self.sums.get((batch, drafted), (0.0, 0.0))
-        self.sums[batch, drafted] = (REALIZED_DECAY * t + tokens, REALIZED_DECAY * s + seconds)
+        # Both figures of the batch size age with every step of it, so that what a past
+        # request's drafts yielded fades while the batch does not draft.
+        for arm in (False, True):
+            t, s = self.sums.get((batch, arm), (0.0, 0.0))
+            new = (tokens, seconds) if arm == drafted else (0.0, 0.0)
+            if s or arm == drafted:
+                self.sums[batch, arm] = (REALIZED_DECAY * t + new[0], REALIZED_DECAY * s + new[1])
 
     @property
     def realized(self) -> dict[tuple[int, bool], float]:
