@@ -161,7 +161,7 @@ class DraftLength:
             # steps without drafts are measured, and stops where drafting has yielded less
             # (but for a step now and then, to see whether that still holds).
             batch = len(room)
-            plain, drafting = self.realized.get((batch, False)), self.realized.get((batch, True))
+            plain, drafting = self._rate(batch, False), self._rate(batch, True)
             self.steps += 1
             if plain is None or (
                 drafting is not None and drafting < VETO * plain and self.steps % EXPLORE_AFTER
@@ -172,7 +172,7 @@ class DraftLength:
     def pays(self, batch: int) -> bool:
         """Whether drafting has yielded more than not drafting at this batch size (not yet
         measured: for a single stream only)."""
-        plain, drafting = self.realized.get((batch, False)), self.realized.get((batch, True))
+        plain, drafting = self._rate(batch, False), self._rate(batch, True)
         if plain is None or drafting is None:
             return batch == 1
         return drafting > plain
@@ -188,10 +188,10 @@ class DraftLength:
             if s or arm == drafted:
                 self.sums[batch, arm] = (REALIZED_DECAY * t + new[0], REALIZED_DECAY * s + new[1])
 
-    @property
-    def realized(self) -> dict[tuple[int, bool], float]:
-        """Tokens per second by (batch size, drafted)."""
-        return {key: t / s for key, (t, s) in self.sums.items() if s > 0}
+    def _rate(self, batch: int, drafted: bool) -> float | None:
+        """Tokens per second realized at this batch size (with drafts or without), or None."""
+        t, s = self.sums.get((batch, drafted), (0.0, 0.0))
+        return t / s if s > 0 else None
 
     def _best(self, acceptance: list[float], room: list[int], most: int) -> list[int]:
         batch = len(acceptance)

@@ -92,10 +92,7 @@ class Sampler:
         ``masks``: from ``start_masks`` for the same requests."""
         logits = logits.float()
         if masks is not None:
-            rows = [i for i, p in enumerate(params) if p.structured]
-            constrained = logits[rows]
-            apply_bitmask(constrained, masks.result())
-            logits[rows] = constrained
+            _apply_masks(logits, [i for i, p in enumerate(params) if p.structured], masks)
         results = self._sample(logits, request_ids, params, prompt_ids, output_ids)
         for i, p in enumerate(params):
             if p.structured and not isinstance(results[i], Exception):
@@ -136,9 +133,7 @@ class Sampler:
         if masks is not None:
             rows = [r for i, p in enumerate(params) if p.structured
                     for r in range(starts[i], starts[i] + counts[i])]  # fmt: skip
-            constrained = logits[rows]
-            apply_bitmask(constrained, masks.result())
-            logits[rows] = constrained
+            _apply_masks(logits, rows, masks)
         results: list = [None] * len(params)
         for i, (rid, p, d) in enumerate(zip(request_ids, params, drafts)):
             try:
@@ -444,6 +439,13 @@ class Sampler:
             floors = [params[j].min_p for j in rest]
             probs = _put(probs, index, _min_p(vals, floors, vals.amax(dim=-1, keepdim=True)))
         return probs, nucleus
+
+
+def _apply_masks(logits: torch.Tensor, rows: list[int], masks: Future) -> None:
+    """The grammar masks (one per row of ``rows``, in order) applied to those rows, in place."""
+    constrained = logits[rows]
+    apply_bitmask(constrained, masks.result())
+    logits[rows] = constrained
 
 
 def _min_p(probs: torch.Tensor, min_p: list[float], top: torch.Tensor) -> torch.Tensor:
