@@ -19,7 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 BOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "dashboards" / "kvserve.json"
-UNITS = {"percentunit": "fraction", "s": "seconds", "short": ""}
+UNITS = {"percentunit": "fraction", "s": "seconds", "short": "", "bytes": "bytes"}
 
 
 def query_range(url: str, expr: str, start: float, end: float, step: float) -> list[dict]:

@@ -22,7 +22,7 @@ from kernels.backend import backend_names, default_backend
 from kernels.weights import QUANTIZABLE
 from models.config import ModelConfig
 from models.fetch import resolve_model
-from models.kv_spec import DTYPES
+from models.kv_spec import DTYPES, KV_DTYPES
 
 ENGINE = "engine"
 OVERFLOW = "overflow policies (a request may override the context one)"
@@ -59,6 +59,14 @@ class EngineArgs:
         None, "weights and KV cache dtype", choices=DTYPES, when_none="float32 on CPU, "
         "bfloat16 on CUDA"
     )  # fmt: skip
+    kv_cache_dtype: str = setting(
+        "auto",
+        "KV cache storage: int8 and fp8_e4m3 keep a float32 scale per token and head (a bit "
+        "over a quarter of float32's bytes), int4 a float16 scale per 32 values after a "
+        "Hadamard rotation (about a seventh)",
+        choices=("auto", *KV_DTYPES),
+        when_none=None,
+    )
     device: str = setting("auto", "auto, cpu, cuda or cuda:N")
     block_size: int = setting(16, "tokens per KV block (a power of two)")
     num_kv_blocks: int | None = setting(
@@ -193,6 +201,7 @@ class EngineArgs:
             (self.tensor_parallel_size > 0, "tensor_parallel_size"),
             (self.max_num_batched_tokens > 0, "max_num_batched_tokens"),
             (self.dtype is None or self.dtype in DTYPES, "dtype"),
+            (self.kv_cache_dtype in ("auto", *KV_DTYPES), "kv_cache_dtype"),
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device"),
             (self.attention_backend in (None, *backend_names()), "attention_backend"),
             (self.preemption_mode in PREEMPTION_MODES, "preemption_mode"),
@@ -235,9 +244,10 @@ class EngineArgs:
         if model_config is None:
             model_config = ModelConfig.from_dir(resolve_model(self.model))
         device = resolve_device(self.device)
+        dtype = self.dtype or ("bfloat16" if device.type == "cuda" else "float32")
         return RunnerConfig(
             model_config,
-            self.dtype or ("bfloat16" if device.type == "cuda" else "float32"),
+            dtype,
             str(device),
             self.attention_backend or default_backend(device, self.cpu_kernels),
             self.cpu_kernels,
@@ -245,7 +255,18 @@ class EngineArgs:
             self.tensor_parallel_size,
             eos_token_ids,
             self.quantization,
+            self.kv_dtype(dtype),
         )
+
+    def kv_dtype(self, dtype: str) -> str:
+        """The KV cache's dtype for a model served in ``dtype`` (``--kv-cache-dtype auto``
+        resolved)."""
+        return auto_kv_dtype(dtype) if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
+
+def auto_kv_dtype(dtype: str) -> str:
+    """``--kv-cache-dtype auto``: the model's dtype."""
+    return dtype
 
 
 def _settings(cls: type = EngineArgs) -> dict[str, tuple[dataclasses.Field, Setting]]:

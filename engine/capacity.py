@@ -17,6 +17,7 @@ from models.tensor_parallel import TPRank, shard_config
 @dataclass(frozen=True)
 class GroupCapacity:
     kind: str
+    dtype: str
     num_layers: int
     bytes_per_token: int
     num_blocks: int
@@ -33,6 +34,7 @@ def capacity(cache: CacheConfig, max_model_len: int) -> list[GroupCapacity]:
         rows.append(
             GroupCapacity(
                 kind=kind,
+                dtype=g.spec.dtype,
                 num_layers=len(g.layer_ids),
                 bytes_per_token=g.bytes_per_token,
                 num_blocks=n,
@@ -45,13 +47,13 @@ def capacity(cache: CacheConfig, max_model_len: int) -> list[GroupCapacity]:
 
 def format_capacity(cache: CacheConfig, max_model_len: int) -> str:
     lines = [
-        f"{'group':<32} {'layers':>6} {'bytes/token':>12} {'blocks':>8} {'tokens':>10} "
-        f"{'seqs@' + str(max_model_len):>10}"
+        f"{'group':<32} {'dtype':>9} {'layers':>6} {'bytes/token':>12} {'blocks':>8} "
+        f"{'tokens':>10} {'seqs@' + str(max_model_len):>10}"
     ]
     for r in capacity(cache, max_model_len):
         lines.append(
-            f"{r.kind:<32} {r.num_layers:>6} {r.bytes_per_token:>12,} {r.num_blocks:>8} "
-            f"{r.tokens:>10,} {r.max_seqs_at_full_len:>10}"
+            f"{r.kind:<32} {r.dtype:>9} {r.num_layers:>6} {r.bytes_per_token:>12,} "
+            f"{r.num_blocks:>8} {r.tokens:>10,} {r.max_seqs_at_full_len:>10}"
         )
     return "\n".join(lines)
 
@@ -59,7 +61,7 @@ def format_capacity(cache: CacheConfig, max_model_len: int) -> str:
 @dataclass(frozen=True)
 class Plan:
     model: ModelConfig
-    dtype: str
+    dtype: str  # the KV cache's
     memory_bytes: int
     max_model_len: int
     cache: CacheConfig
@@ -91,17 +93,18 @@ def make_plan(
     tensor_parallel_size: int = 1,
     weight_dtype: str = "float32",
     quantization: str | None = None,
+    kv_cache_dtype: str | None = None,
 ) -> Plan:
     """With tensor parallelism, one rank's plan: its share of the KV heads in its memory (for
     MLA, the whole latent cache: every rank holds it)."""
     cfg = ModelConfig.from_dir(resolve_model(model))
     rank_cfg = shard_config(cfg, TPRank(0, tensor_parallel_size))
-    groups = model_class(cfg).kv_cache_groups(rank_cfg, dtype)
+    groups = model_class(cfg).kv_cache_groups(rank_cfg, kv_cache_dtype or dtype)
     max_len = max_model_len or cfg.max_position_embeddings
     memory = int(kv_cache_memory_gib * GIB)
     cache = CacheConfig(groups, block_size, split_memory(groups, memory, block_size, max_len))
     weights = stored_weight_bytes(cfg, 4 if weight_dtype == "float32" else 2, quantization)
-    return Plan(cfg, dtype, memory, max_len, cache, tensor_parallel_size, weights)
+    return Plan(cfg, kv_cache_dtype or dtype, memory, max_len, cache, tensor_parallel_size, weights)
 
 
 def format_plan(plan: Plan) -> str:

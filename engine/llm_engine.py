@@ -80,7 +80,7 @@ class LLMEngine:
         # Ranks 1..N-1 load their shares while this one loads its own.
         self.workers = Workers(runner_config) if tp_size > 1 else None
         self.runner = ModelRunner(runner_config, TPRank(0, tp_size), self.grammars)
-        dtype = runner_config.dtype
+        dtype = f"{runner_config.dtype}, KV cache {runner_config.kv_dtype}"
         self.speculation = args.speculative_config()
         self.drafter = self._load_drafter(eos)
         self.cache_config = self._cache_config(self.runner.groups)

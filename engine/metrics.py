@@ -61,6 +61,12 @@ class EngineMetrics:
             "Fraction of the KV blocks in use (0 to 1), per KV-cache group.",
             ("group",),
         )
+        self.kv_bytes_per_token = gauge(
+            "kv_cache_bytes_per_token",
+            "KV-cache bytes one token holds in all layers of a group (scales included), by "
+            "group and cache dtype.",
+            ("group", "dtype"),
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (after truncation).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.request_success = counter(
@@ -151,12 +157,15 @@ class EngineMetrics:
             return ",".join(str(v) for v in values)
 
         groups = capacity(cache, max_model_len)
+        for gi, g in enumerate(groups):
+            self.kv_bytes_per_token.labels(str(gi), g.dtype).set(g.bytes_per_token)
         self.cache_config.info(
             {
                 "block_size": str(cache.block_size),
                 "num_gpu_blocks": each(g.num_blocks for g in groups),
                 "num_cpu_blocks": each(cache.num_host_blocks) or "0",
                 "group_kinds": each(g.kind for g in groups),
+                "kv_cache_dtype": each(g.dtype for g in groups),
                 "bytes_per_token": str(sum(g.bytes_per_token for g in groups)),
                 "capacity_tokens": each(g.tokens for g in groups),
                 "max_seqs_at_max_model_len": str(min(g.max_seqs_at_full_len for g in groups)),

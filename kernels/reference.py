@@ -5,6 +5,9 @@ Shapes (T new tokens, B sequences, N blocks, bs block size):
   block_tables int32 [B, W]; seq_lens / prefix_lens int32 [B]
   window > 0: attend to the last ``window`` positions (current one included); the table is a
   ring of width W and position p lives in table[(p // bs) % W].
+A cache's dtype names its format (``kernels.kv_quant``): rows are quantized as they are written
+and dequantized as they are read, and a prefill chunk's new keys and values are read as the
+cache gives them back.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernels.kv_quant import dequantize, fake_quantize, quantize
 
 
 def _blocks_and_offsets(
@@ -35,20 +40,22 @@ def _positions_to_slots(
 def gather_cache(
     cache: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, window: int = 0
 ) -> torch.Tensor:
-    """Rows of ``cache`` ([N, bs, H, D]) at the given positions of one sequence -> [P, H, D]."""
+    """Rows of ``cache`` ([N, bs, H, R]) at the given positions of one sequence -> [P, H, D],
+    dequantized to float32."""
     # Index blocks and offsets directly: flattening a strided view (MLA's value) would copy
     # the whole cache.
     blocks, offsets = _blocks_and_offsets(table, positions.to(table.device), cache.shape[1], window)
-    return cache[blocks, offsets]
+    return dequantize(cache[blocks, offsets])
 
 
 def write_cache(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter ``rows`` ([T, H, D]) into ``cache`` ([N, bs, H, D]); slot -1 is skipped."""
+    """Scatter ``rows`` ([T, H, D]) into ``cache`` ([N, bs, H, R]), in its format; slot -1 is
+    skipped."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         rows, slot_mapping = rows[keep], slot_mapping[keep]
     flat = cache.view(cache.shape[0] * cache.shape[1], *cache.shape[2:])
-    flat[slot_mapping] = rows.to(cache.dtype)
+    flat[slot_mapping] = quantize(rows, cache.dtype)
 
 
 def _attend(q, k, v, scale, mask=None):
@@ -62,6 +69,17 @@ def _attend(q, k, v, scale, mask=None):
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("hgqk,khd->qhgd", probs, v.float())
     return out.reshape(q.shape[0], hq, v.shape[2]).to(q.dtype)
+
+
+def read_back(k, v, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """New keys and values [T, H, D] as the caches give them back once written (MLA's values,
+    a prefix of its key rows: the prefix of the keys read back)."""
+    if k_cache.dtype == k.dtype:
+        return k, v
+    k = fake_quantize(k, k_cache.dtype)
+    if v_cache.untyped_storage() is k_cache.untyped_storage():
+        return k, k[..., : v.shape[-1]]
+    return k, fake_quantize(v, v_cache.dtype)
 
 
 @dataclass(frozen=True)
@@ -108,8 +126,8 @@ def decode_attention(
     """
     if plan is None:
         plan = gather_plan(block_tables, seq_lens, k_cache.shape[1], window)
-    k = k_cache[plan.blocks, plan.offsets].float().transpose(1, 2)  # [B, Hkv, S, Dk]
-    v = v_cache[plan.blocks, plan.offsets].float().transpose(1, 2)
+    k = dequantize(k_cache[plan.blocks, plan.offsets]).transpose(1, 2)  # [B, Hkv, S, Dk]
+    v = dequantize(v_cache[plan.blocks, plan.offsets]).transpose(1, 2)
     out = F.scaled_dot_product_attention(
         q.float()[:, :, None, :],
         k,
@@ -142,6 +160,7 @@ def prefill_attention(
     ``attend(q, k, v, scale, mask)`` computes each chunk's attention (default: ``_attend``).
     """
     attend = attend or _attend
+    k, v = read_back(k, v, k_cache, v_cache)
     out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
     bounds = cu_seqlens_q.tolist()
     for i, prefix in enumerate(prefix_lens.tolist()):
@@ -155,6 +174,7 @@ def prefill_attention(
         cached = torch.arange(first, prefix, device=q.device)
         k_all = torch.cat([gather_cache(k_cache, block_tables[i], cached, window), k[lo:hi]])
         v_all = torch.cat([gather_cache(v_cache, block_tables[i], cached, window), v[lo:hi]])
+        k_all, v_all = k_all.to(k.dtype), v_all.to(v.dtype)
         mask = pos_k[None, :] <= pos_q[:, None]
         if window > 0:
             mask &= pos_k[None, :] > pos_q[:, None] - window

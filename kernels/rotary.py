@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.kv_quant import dequantize, quantize
 from kernels.launch import Launch, run
 
 try:
@@ -62,17 +63,17 @@ def delta_cos_sin(layout: RopeLayout, delta: int) -> tuple[torch.Tensor, torch.T
 def rotate_reference(
     cache: torch.Tensor, blocks: torch.Tensor, delta: int, layout: RopeLayout
 ) -> None:
-    """Rotate the rotary part of every row of ``blocks`` by ``delta`` positions, in place."""
+    """Rotate the rotary part of every row of ``blocks`` by ``delta`` positions, in place. A
+    quantized cache's rows (``kernels.kv_quant``) are dequantized, rotated and stored again."""
     if blocks.numel() == 0 or delta == 0:
         return
     i1, i2 = (i.to(cache.device) for i in layout.pair_indices())
     cos, sin = (t.to(cache.device, torch.float32) for t in delta_cos_sin(layout, delta))
     idx = blocks.to(cache.device, torch.long)
-    rows = cache[idx]  # [n, bs, H, D]
-    x1, x2 = rows[..., i1].float(), rows[..., i2].float()
-    rows[..., i1] = (x1 * cos - x2 * sin).to(cache.dtype)
-    rows[..., i2] = (x2 * cos + x1 * sin).to(cache.dtype)
-    cache[idx] = rows
+    rows = dequantize(cache[idx])  # [n, bs, H, D]
+    x1, x2 = rows[..., i1], rows[..., i2]
+    rows[..., i1], rows[..., i2] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    cache[idx] = quantize(rows, cache.dtype)
 
 
 if triton is not None:

@@ -10,6 +10,9 @@ Per-layer cache tensors (allocated by the model runner, read by ``kernels``):
 - ``MLASpec``: one tensor ``[num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]``;
   the value is the view ``[..., :kv_lora_rank]`` of the same rows (MQA over latents).
 
+A spec's ``dtype`` is the cache's (``KV_DTYPES``); a quantized one stores each head's row in
+``row_bytes`` bytes, its scales inside the row, so a block stays the unit everything moves.
+
 Sliding window as a ring: a sequence holds at most ``ring_len = ceil(window / block_size) + 1``
 blocks, and position p lives in ``table[(p // block_size) % ring_len]``::
 
@@ -26,6 +29,23 @@ from math import ceil
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 DTYPES = ("float32", "bfloat16", "float16")  # what models and caches can be served in
+# What a cache may store its rows in besides those (``kernels.kv_quant`` lays them out): one
+# byte per value and a float32 scale per token and head, or 4 bits per value and a float16
+# scale per group of 32.
+QUANTIZED_KV = ("int8", "fp8_e4m3", "int4")
+KV_DTYPES = DTYPES + QUANTIZED_KV
+INT4_GROUP = 32
+
+
+def row_bytes(dtype: str, dim: int) -> int:
+    """Bytes of one head's row of ``dim`` values in a cache of ``dtype`` (a ``KV_DTYPES``)."""
+    if dtype == "int4":
+        if dim % INT4_GROUP:
+            raise ValueError(f"an int4 KV cache needs head sizes that are multiples of 32: {dim}")
+        return dim // INT4_GROUP * (2 + INT4_GROUP // 2)
+    if dtype in QUANTIZED_KV:
+        return dim + 4
+    return dim * DTYPE_BYTES[dtype]
 
 
 @dataclass(frozen=True)
@@ -43,7 +63,7 @@ class FullAttentionSpec:
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token costs in one layer (K and V)."""
-        return 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+        return 2 * self.num_kv_heads * row_bytes(self.dtype, self.head_dim)
 
     def num_blocks(self, num_tokens: int, block_size: int) -> int:
         """Blocks a sequence of ``num_tokens`` cached tokens holds."""
@@ -92,7 +112,7 @@ class MLASpec:
 
     @property
     def bytes_per_token(self) -> int:
-        return self.row_width * DTYPE_BYTES[self.dtype]
+        return row_bytes(self.dtype, self.row_width)
 
     def num_blocks(self, num_tokens: int, block_size: int) -> int:
         return ceil(num_tokens / block_size)

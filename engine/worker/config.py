@@ -22,6 +22,11 @@ class RunnerConfig:
     tensor_parallel_size: int = 1
     eos_token_ids: tuple[int, ...] = ()
     quantization: str | None = None  # a block format for a float checkpoint's linear layers
+    kv_cache_dtype: str = ""  # a ``models.kv_spec.KV_DTYPES``; "": the model's dtype
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.kv_cache_dtype or self.dtype
 
     @property
     def torch_device(self) -> torch.device:

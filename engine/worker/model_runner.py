@@ -16,10 +16,11 @@ from engine.worker.step_inputs import step_arrays, to_device
 from engine.worker.structured import Grammars
 from kernels import cpu
 from kernels.backend import AttentionBackend, AttentionMetadata, get_backend
+from kernels.kv_quant import KV_DTYPES, check_prefix
 from kernels.paged import ForwardContext
 from kernels.rotary import RopeLayout
 from models.interface import CausalLM
-from models.kv_spec import KVCacheGroup, MLASpec
+from models.kv_spec import KVCacheGroup, MLASpec, row_bytes
 from models.loader import load_model
 from models.tensor_parallel import NO_TP, TPRank, shard_config
 
@@ -50,7 +51,9 @@ class ModelRunner:
             model_config, self.dtype, self.device, tp, config.quantization
         )
         self.cpu_kernels = self._cpu_kernels(self.backend.prepare(self.model))
-        self.groups: list[KVCacheGroup] = self.model.kv_cache_groups(model_config, config.dtype)
+        self.groups: list[KVCacheGroup] = self.model.kv_cache_groups(model_config, config.kv_dtype)
+        self.kv_bytes_per_token = sum(g.bytes_per_token for g in self.groups)  # raises where
+        # the cache dtype cannot store a layout's rows
         layer_to_group = [0] * model_config.num_layers
         for gi, g in enumerate(self.groups):
             for layer in g.layer_ids:
@@ -157,13 +160,18 @@ class ModelRunner:
         block_size = self.cache_config.block_size
         # The host pool is only touched by swaps: empty() leaves its pages unmapped until then.
         new = torch.zeros if device is None else torch.empty
-        kw = dict(dtype=self.dtype, device=device or self.device)
+        dtype = KV_DTYPES[spec.dtype]
+        kw = dict(dtype=dtype, device=device or self.device)
         if pin:
             kw["pin_memory"] = True
+        per_value = dtype.itemsize
         if isinstance(spec, MLASpec):
-            cache = new(n, block_size, 1, spec.row_width, **kw)
-            return cache, cache[..., : spec.kv_lora_rank]
-        shape = (n, block_size, spec.num_kv_heads, spec.head_dim)
+            check_prefix(dtype, spec.row_width, spec.kv_lora_rank)
+            cache = new(n, block_size, 1, row_bytes(spec.dtype, spec.row_width) // per_value, **kw)
+            # A row's prefix is a row of its first values in every format (kernels.kv_quant).
+            return cache, cache[..., : row_bytes(spec.dtype, spec.kv_lora_rank) // per_value]
+        row = row_bytes(spec.dtype, spec.head_dim) // per_value
+        shape = (n, block_size, spec.num_kv_heads, row)
         return new(shape, **kw), new(shape, **kw)
 
     @torch.inference_mode()

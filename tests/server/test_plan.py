@@ -68,7 +68,8 @@ def test_llama_plan_is_k_and_v_per_kv_head_per_layer(llama_dir, dtype, capsys):
     assert (row.bytes_per_token, row.num_blocks, row.tokens) == (per_token, blocks, tokens)
     assert row.max_seqs_at_full_len == seqs
     line = next(line for line in out.splitlines() if line.startswith("FullAttentionSpec"))
-    assert line.split()[1:] == ["3", f"{per_token:,}", str(blocks), f"{tokens:,}", str(seqs)]
+    row = ["3", f"{per_token:,}", str(blocks), f"{tokens:,}", str(seqs)]
+    assert line.split()[1:] == [dtype, *row]
     assert f"bytes/token: {per_token:,} (3 x {per_token // 3:,} FullAttentionSpec)" in out
 
 
@@ -186,7 +187,7 @@ def test_plan_rejects_a_block_size_that_is_not_a_power_of_two(llama_dir):
 def capacity_table(text: str) -> list[str]:
     """The capacity table's header and group rows, as `format_capacity` writes them."""
     lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["group", "layers"])
+    start = next(i for i, line in enumerate(lines) if line.split()[:3] == ["group", "dtype", "layers"])
     rows = [lines[start]]
     for line in lines[start + 1 :]:
         if not line.split() or not line.split()[0].split("(")[0].endswith("Spec"):
@@ -229,7 +230,7 @@ def test_serve_logs_the_capacity_that_plan_prints(model, request, capsys):
     assert f": {fit} sequences of max_model_len 4096 fit in the KV cache" in log
     groups = {"smollm2_dir": 1, "gemma3_dir": 2}[model]  # gemma3: sliding-window + full
     assert len(planned) == 1 + groups
-    assert all(int(row.split()[3]) > 0 for row in planned[1:])  # blocks in every pool
+    assert all(int(row.split()[4]) > 0 for row in planned[1:])  # blocks in every pool
 
 
 @pytest.mark.slow
