@@ -344,8 +344,9 @@ class TritonBackend(AttentionBackend):
     def __init__(
         self, run: Callable[[Launch], None] = Launch.__call__, sms: int | None = None
     ) -> None:
-        from kernels import rotary, triton_attention, triton_quant
+        from kernels import kv_quant, rotary, triton_attention, triton_quant
 
+        self._kv_quant = kv_quant
         self._attention = triton_attention
         self._rotary = rotary
         self._quant = triton_quant
@@ -360,21 +361,29 @@ class TritonBackend(AttentionBackend):
         self._launch(self._attention.write_cache_launches(cache, rows, slots))
 
     def prefill(self, q, k, v, kv_cache, meta, scale):
-        out, launches = self._attention.prefill_launches(
-            q, k, v, *kv_cache, meta.block_tables, meta.cu_seqlens_q, meta.prefix_lens, scale,
-            meta.window,
+        # An int4 cache holds rotated rows: the query is rotated to meet them, the output back
+        # (torch matmuls around the launches, as in decode).
+        attention, (k_cache, v_cache) = self._attention, kv_cache
+        out, launches = attention.prefill_launches(
+            attention.rotated_query(q, k_cache), k, v, k_cache, v_cache, meta.block_tables,
+            meta.cu_seqlens_q, meta.prefix_lens, scale, meta.window,
         )  # fmt: skip
         self._launch(launches)
-        return out
+        return attention.rotated_output(out, v_cache, q.dtype)
 
     def decode(self, q, kv_cache, meta, scale):
-        out, launches = self._attention.decode_launches(
-            q, *kv_cache, meta.block_tables, meta.seq_lens, scale, meta.window, sms=self._sms
-        )
+        attention, (k_cache, v_cache) = self._attention, kv_cache
+        out, launches = attention.decode_launches(
+            attention.rotated_query(q, k_cache), k_cache, v_cache, meta.block_tables,
+            meta.seq_lens, scale, meta.window, sms=self._sms,
+        )  # fmt: skip
         self._launch(launches)
-        return out
+        return attention.rotated_output(out, v_cache, q.dtype)
 
     def rotate_keys(self, cache, blocks, delta, layout):
+        if self._kv_quant.is_quantized(cache):  # the rotary kernel moves float values only
+            rotate_reference(cache, blocks, delta, layout)
+            return
         self._launch(self._rotary.rotate_launches(cache, blocks, delta, layout))
 
     def prepare(self, model: nn.Module) -> int:

@@ -18,6 +18,23 @@ Design:
     tile ahead of the copies.
   - Sliding window: only positions in ``[p - window + 1, p]`` are visited, so the cost per token
     is bounded by the window whatever the context length.
+
+Cache formats (``kernels.kv_quant``; the cache dtype names one, ``KV`` in the kernels):
+  - A quantized cache is passed to the kernels as bytes (a uint8 view), whatever its dtype: the
+    kernels decode int8 and e4m3 themselves, so that sm_80 (no e4m3 type in Triton) and the
+    interpreter read them as sm_90 does.
+  - Writes quantize in the kernel, one program per token and head row, as ``kv_quant.quantize``.
+  - Reads dequantize K/V tiles in registers. int8 and fp8 tiles are converted as they are stored
+    and their row scales applied to the scores (keys) and the probabilities (values), one
+    multiply per key rather than per value; int4 tiles are scaled per group of 32 as they are
+    unpacked, their columns in the order the two nibbles of a byte come out (value j, then
+    j + 16), which the query load and the output store follow. int4 rows are stored rotated:
+    the callers rotate the query before and the output after (``rotated_query``,
+    ``rotated_output``), so no row is rotated back.
+  - dots run in the model's dtype (the query's) over a quantized cache, in the cache's dtype
+    over a float one.
+  - A prefill chunk's own keys and values are read as the cache gives them back: quantized into
+    rows of their own by the write kernel (``read_back_launches``), then read like the cache.
 """
 
 from __future__ import annotations
@@ -29,9 +46,23 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import kv_quant
 from kernels.launch import Launch, run
 
 _LOG2E = 1.4426950408889634
+
+# Cache formats as the kernels name them (``KV``).
+_FLOAT = tl.constexpr(0)
+_INT8 = tl.constexpr(1)
+_FP8 = tl.constexpr(2)
+_INT4 = tl.constexpr(3)
+_FORMATS = {torch.int8: _INT8.value, torch.float8_e4m3fn: _FP8.value, torch.uint8: _INT4.value}
+# Their layout (``kernels.kv_quant``): int8/fp8 rows lead with a float32 scale; int4 rows are
+# groups of 32 values, each a float16 scale then 16 bytes of two values each.
+_SCALE_BYTES = tl.constexpr(kv_quant.SCALE_BYTES)
+_QGROUP = tl.constexpr(kv_quant.GROUP)
+_QGROUP_BYTES = tl.constexpr(kv_quant.GROUP_BYTES)
+_FP8_MAX = tl.constexpr(kv_quant.FP8_MAX)
 
 
 @triton.jit
@@ -62,6 +93,165 @@ def _write_cache_kernel(
     )
     dst = cache_ptr + (slot // BS) * stride_cn + (slot % BS) * stride_cb + h * stride_ch
     tl.store(dst + d * stride_cd, row.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _round_half_even(x):
+    # torch.round's rule, from floor: the interpreter has no rint.
+    f = tl.floor(x)
+    frac = x - f
+    up = (frac > 0.5) | ((frac == 0.5) & ((f.to(tl.int32) & 1) != 0))
+    return f + up.to(tl.float32)
+
+
+@triton.jit
+def _e4m3_bits(y):
+    """float32 |y| <= 448 -> e4m3fn bits, rounded to nearest even as torch casts (by integer
+    arithmetic: Triton has no e4m3 type on sm_80)."""
+    a = tl.abs(y)
+    u = a.to(tl.int32, bitcast=True)
+    # Normal: the 3 mantissa bits rounded on the 20 below, the exponent rebased from 127 to 7.
+    normal = ((u + 0x7FFFF + ((u >> 20) & 1)) >> 20) - (120 << 3)
+    # Subnormal (below 2^-6): multiples of 2^-9, and 8 of them is the smallest normal's bits.
+    small = _round_half_even(a * 512.0).to(tl.int32)
+    mag = tl.where(a < 0.015625, small, normal)
+    sign = (y.to(tl.int32, bitcast=True) >> 31) & 0x80
+    return (mag | sign).to(tl.uint8)
+
+
+@triton.jit
+def _write_quantized_kernel(
+    cache_ptr,
+    rows_ptr,
+    slot_ptr,
+    stride_cn,
+    stride_cb,
+    stride_ch,
+    stride_rt,
+    stride_rh,
+    stride_rd,
+    BS: tl.constexpr,
+    D: tl.constexpr,
+    KV: tl.constexpr,
+    DIRECT: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One token's row of one head into a byte cache, quantized as ``kv_quant.quantize`` does
+    (int4 rows arrive rotated). DIRECT: token t is slot t (``read_back_launches``)."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    if DIRECT:
+        slot = token.to(tl.int64)
+    else:
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+    # A skipped slot (-1) writes no value: its row counts as empty.
+    width = tl.where(slot >= 0, D, 0)
+    src = rows_ptr + token.to(tl.int64) * stride_rt + head * stride_rh
+    dst = cache_ptr + (slot // BS) * stride_cn + (slot % BS) * stride_cb + head * stride_ch
+    if KV == _INT4:
+        # Groups as rows, their first and last 16 values apart: byte j packs value j (low
+        # nibble) and value j + 16 (high).
+        g = tl.arange(0, BLOCK_D // _QGROUP)
+        j = tl.arange(0, _QGROUP // 2)[None, :]
+        g_ok = g < width // _QGROUP
+        col = g[:, None] * _QGROUP + j
+        lo = tl.load(src + col * stride_rd, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        hi = tl.load(src + (col + _QGROUP // 2) * stride_rd, mask=g_ok[:, None], other=0.0)
+        hi = hi.to(tl.float32)
+        # The scale is the group's value of largest magnitude (its first) over -8.
+        amax = tl.maximum(tl.max(tl.abs(lo), 1), tl.max(tl.abs(hi), 1))[:, None]
+        first = tl.minimum(
+            tl.min(tl.where(tl.abs(lo) == amax, j, _QGROUP), 1),
+            tl.min(tl.where(tl.abs(hi) == amax, j + _QGROUP // 2, _QGROUP), 1),
+        )[:, None]
+        top = tl.sum(tl.where(j == first, lo, 0.0), 1) + tl.sum(
+            tl.where(j + _QGROUP // 2 == first, hi, 0.0), 1
+        )
+        d = top / -8.0
+        inv = tl.where(d != 0.0, 1.0 / d, 0.0)[:, None]
+        q_lo = tl.minimum(tl.floor(lo * inv + 8.5), 15.0).to(tl.uint8)
+        q_hi = tl.minimum(tl.floor(hi * inv + 8.5), 15.0).to(tl.uint8)
+        group = dst + g[:, None] * _QGROUP_BYTES
+        tl.store(group + 2 + j, q_lo | (q_hi << 4), mask=g_ok[:, None])
+        bits = d.to(tl.float16).to(tl.uint16, bitcast=True)
+        tl.store(dst + g * _QGROUP_BYTES, (bits & 0xFF).to(tl.uint8), mask=g_ok)
+        tl.store(dst + g * _QGROUP_BYTES + 1, (bits >> 8).to(tl.uint8), mask=g_ok)
+    else:
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < width
+        x = tl.load(src + d * stride_rd, mask=d_ok, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), 0)
+        if KV == _INT8:
+            top = 127.0
+        else:
+            top = _FP8_MAX
+        y = x * tl.where(amax > 0.0, top / amax, 0.0)
+        if KV == _INT8:
+            q = tl.minimum(tl.maximum(_round_half_even(y), -127.0), 127.0)
+            q = q.to(tl.int8).to(tl.uint8, bitcast=True)
+        else:
+            q = _e4m3_bits(tl.minimum(tl.maximum(y, -_FP8_MAX), _FP8_MAX))
+        tl.store(dst + _SCALE_BYTES + d, q, mask=d_ok)
+        bits = (amax / top).to(tl.uint32, bitcast=True)
+        b = tl.arange(0, _SCALE_BYTES)
+        tl.store(dst + b, ((bits >> (8 * b).to(tl.uint32)) & 0xFF).to(tl.uint8), mask=b < width)
+
+
+@triton.jit
+def _stored_column(t, PERM: tl.constexpr):
+    """The value a tile column holds: itself, or in int4 tiles (PERM) the order in which
+    ``_load_values`` unpacks a group, each byte's two values side by side (j, j + 16)."""
+    if PERM:
+        t = (t // _QGROUP) * _QGROUP + (t % 2) * (_QGROUP // 2) + (t % _QGROUP) // 2
+    return t
+
+
+@triton.jit
+def _load_values(
+    ptr,
+    row_off,
+    valid,
+    dtype,
+    C0: tl.constexpr,
+    C: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KV: tl.constexpr,
+):
+    """Values C0 .. C0 + C of the quantized rows at byte offsets ``row_off``, a [BLOCK_N, BLOCK]
+    tile of ``dtype`` (zero past C and in rows not ``valid``): int8 and fp8 as stored, without
+    their row scale (``_row_scale``), int4 dequantized, in ``_stored_column`` order."""
+    if KV == _INT4:
+        g = C0 // _QGROUP + tl.arange(0, BLOCK // _QGROUP)
+        j = tl.arange(0, _QGROUP // 2)
+        g_ok = valid[:, None] & (g < (C0 + C) // _QGROUP)[None, :]
+        group = ptr + row_off[:, None] + g[None, :] * _QGROUP_BYTES
+        b = tl.load(group[:, :, None] + 2 + j[None, None, :], mask=g_ok[:, :, None], other=0)
+        scale = tl.load(group.to(tl.pointer_type(tl.float16)), mask=g_ok, other=0.0)
+        lo = (b & 0xF).to(tl.float32) - 8.0
+        hi = (b >> 4).to(tl.float32) - 8.0
+        x = tl.join(lo, hi) * scale.to(tl.float32)[:, :, None, None]
+        x = tl.reshape(x, [BLOCK_N, BLOCK]).to(dtype)
+    else:
+        col = C0 + tl.arange(0, BLOCK)
+        mask = valid[:, None] & (col < C0 + C)[None, :]
+        x = tl.load(ptr + row_off[:, None] + _SCALE_BYTES + col[None, :], mask=mask, other=0)
+        if KV == _INT8:
+            x = x.to(tl.int8, bitcast=True).to(dtype)
+        else:
+            # e4m3 bits placed in a float16's: exact, 2^8 too small (``_row_scale`` makes up).
+            bits = ((x & 0x80).to(tl.uint16) << 8) | ((x & 0x7F).to(tl.uint16) << 7)
+            x = bits.to(tl.float16, bitcast=True).to(dtype)
+    return x
+
+
+@triton.jit
+def _row_scale(ptr, row_off, valid, KV: tl.constexpr):
+    """The float32 scale leading each int8 or fp8 row (zero in rows not ``valid``)."""
+    scale = tl.load((ptr + row_off).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
+    if KV == _FP8:
+        scale = scale * 256.0
+    return scale
 
 
 @triton.jit
@@ -102,6 +292,8 @@ def _attend(
     BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """Fold keys at positions [lo, hi) into the online softmax of the query rows.
 
@@ -159,18 +351,33 @@ def _attend(
             k_off = pos.to(tl.int64) * stride_kn
             v_off = pos.to(tl.int64) * stride_vn
 
-        k_mask = valid[:, None] & (d1 < D1)[None, :]
-        k1 = tl.load(k_ptr + k_off[:, None] + d1[None, :] * stride_kd, mask=k_mask, other=0.0)
-        k_dot = k1
-        if UPCAST:
-            k_dot = k_dot.to(tl.float32)
-        s = tl.dot(q1, tl.trans(k_dot), input_precision=PRECISION)
-        if D2 > 0:
-            k_mask = valid[:, None] & (d2 < D1 + D2)[None, :]
-            k2 = tl.load(k_ptr + k_off[:, None] + d2[None, :] * stride_kd, mask=k_mask, other=0.0)
+        if KV == _FLOAT:
+            k_mask = valid[:, None] & (d1 < D1)[None, :]
+            k1 = tl.load(k_ptr + k_off[:, None] + d1[None, :] * stride_kd, mask=k_mask, other=0.0)
+            k_dot = k1
             if UPCAST:
-                k2 = k2.to(tl.float32)
-            s += tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
+                k_dot = k_dot.to(tl.float32)
+            s = tl.dot(q1, tl.trans(k_dot), input_precision=PRECISION)
+            if D2 > 0:
+                k_mask = valid[:, None] & (d2 < D1 + D2)[None, :]
+                k2 = tl.load(
+                    k_ptr + k_off[:, None] + d2[None, :] * stride_kd, mask=k_mask, other=0.0
+                )
+                if UPCAST:
+                    k2 = k2.to(tl.float32)
+                s += tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
+        else:
+            # Byte rows ALIGN-aligned (a multiple of ALIGN bytes apart): wider loads.
+            k_off = tl.multiple_of(k_off, ALIGN)
+            v_off = tl.multiple_of(v_off, ALIGN)
+            k1 = _load_values(k_ptr, k_off, valid, q1.dtype, 0, D1, BLOCK_D1, BLOCK_N, KV)
+            s = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
+            if D2 > 0:
+                k2 = _load_values(k_ptr, k_off, valid, q1.dtype, D1, D2, BLOCK_D2, BLOCK_N, KV)
+                s += tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
+            if KV != _INT4:
+                k_scale = _row_scale(k_ptr, k_off, valid, KV)
+                s = s * k_scale[None, :]
         s = s * qk_scale
 
         mask = valid[None, :]
@@ -187,15 +394,28 @@ def _attend(
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
-        if SHARED_V:
-            v = k1
+        if KV == _FLOAT:
+            if SHARED_V:
+                v = k1
+            else:
+                v_mask = valid[:, None] & (dv < DV)[None, :]
+                v = tl.load(
+                    v_ptr + v_off[:, None] + dv[None, :] * stride_vd, mask=v_mask, other=0.0
+                )
+            p = p.to(v.dtype)
+            if UPCAST:
+                p = p.to(tl.float32)
+                v = v.to(tl.float32)
         else:
-            v_mask = valid[:, None] & (dv < DV)[None, :]
-            v = tl.load(v_ptr + v_off[:, None] + dv[None, :] * stride_vd, mask=v_mask, other=0.0)
-        p = p.to(v.dtype)
-        if UPCAST:
-            p = p.to(tl.float32)
-            v = v.to(tl.float32)
+            if SHARED_V:
+                v = k1
+                if KV != _INT4:
+                    p = p * k_scale[None, :]
+            else:
+                v = _load_values(v_ptr, v_off, valid, q1.dtype, 0, DV, BLOCK_DV, BLOCK_N, KV)
+                if KV != _INT4:
+                    p = p * _row_scale(v_ptr, v_off, valid, KV)[None, :]
+            p = p.to(v.dtype)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
     return acc, m_i, l_i
 
@@ -212,10 +432,12 @@ def _load_query(
     BLOCK_D1: tl.constexpr,
     BLOCK_D2: tl.constexpr,
     UPCAST: tl.constexpr,
+    PERM: tl.constexpr,
 ):
-    """Query rows as the power-of-two part and the tail of the key width, in the cache dtype."""
-    d1 = tl.arange(0, BLOCK_D1)
-    d2 = D1 + tl.arange(0, BLOCK_D2)
+    """Query rows as the power-of-two part and the tail of the key width, in ``dtype``, their
+    columns in the keys' order (``_stored_column``)."""
+    d1 = _stored_column(tl.arange(0, BLOCK_D1), PERM)
+    d2 = D1 + _stored_column(tl.arange(0, BLOCK_D2), PERM)
     ptrs = q_ptr + row_off[:, None]
     q1 = tl.load(ptrs + d1[None, :] * stride_d, mask=valid[:, None] & (d1 < D1)[None, :], other=0.0)
     q2 = tl.load(
@@ -274,6 +496,8 @@ def _decode_kernel(
     BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_TILES
@@ -282,11 +506,19 @@ def _decode_kernel(
     head = kv_head * GROUP + g
     split = tl.program_id(2)
 
-    kv_dtype = k_ptr.dtype.element_ty
+    k_head = kv_head * stride_kh
+    v_head = kv_head * stride_vh
+    if KV == _FLOAT:
+        dot_dtype = k_ptr.dtype.element_ty
+    else:
+        dot_dtype = q_ptr.dtype.element_ty
+        k_head = tl.multiple_of(k_head, ALIGN)
+        v_head = tl.multiple_of(v_head, ALIGN)
     q_row = seq.to(tl.int64) * stride_qb + head * stride_qh
     q1, q2 = _load_query(
-        q_ptr, q_row, head_ok, stride_qd, kv_dtype, D1, D2, BLOCK_D1, BLOCK_D2, UPCAST
-    )
+        q_ptr, q_row, head_ok, stride_qd, dot_dtype, D1, D2, BLOCK_D1, BLOCK_D2, UPCAST,
+        KV == _INT4,
+    )  # fmt: skip
 
     seq_len = tl.load(seq_lens_ptr + seq)
     lo = 0
@@ -302,13 +534,13 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     # The split range already starts inside the window: no per-row window mask.
     acc, m_i, l_i = _attend(
-        acc, m_i, l_i, q1, q2, q_pos, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
+        acc, m_i, l_i, q1, q2, q_pos, k_ptr + k_head, v_ptr + v_head,
         table_ptr + seq.to(tl.int64) * stride_tb, ring_len, split_lo, split_hi, window, qk_scale,
         stride_kn, stride_kb, stride_kd, stride_vn, stride_vb, stride_vd,
         PAGED=True, TILE_IN_BLOCK=not WINDOWED and BS % BLOCK_N == 0, SHARED_V=SHARED_V, BS=BS,
         RING=WINDOWED, CAUSAL=False, WINDOWED=False,
         D1=D1, D2=D2, DV=DV, BLOCK_N=BLOCK_N, BLOCK_D1=BLOCK_D1, BLOCK_D2=BLOCK_D2,
-        BLOCK_DV=BLOCK_DV, PRECISION=PRECISION, UPCAST=UPCAST,
+        BLOCK_DV=BLOCK_DV, PRECISION=PRECISION, UPCAST=UPCAST, KV=KV, ALIGN=ALIGN,
     )  # fmt: skip
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -317,7 +549,7 @@ def _decode_kernel(
     # MLA's 64 heads, ptxas would spill them).
     flat = tl.arange(0, BLOCK_G * BLOCK_DV)
     row = (tl.program_id(1) % HEAD_TILES) * BLOCK_G + flat // BLOCK_DV
-    col = flat % BLOCK_DV
+    col = _stored_column(flat % BLOCK_DV, KV == _INT4)
     store_mask = (row < GROUP) & (col < DV)
     out = tl.reshape(out, [BLOCK_G * BLOCK_DV])
     if num_splits == 1:
@@ -430,6 +662,8 @@ def _prefill_kernel(
     BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     # Query tiles of all sequences share axis 0 without a host-side max length: sequence i owns
     # tiles from cu[i] // BLOCK_Q + i on, which leaves room for its ceil(n_i / BLOCK_Q) tiles.
@@ -455,11 +689,19 @@ def _prefill_kernel(
     head = kv_head * GROUP + g
     token = (q_start + q_idx).to(tl.int64)
 
-    kv_dtype = k_ptr.dtype.element_ty
+    k_head = kv_head * stride_kch
+    v_head = kv_head * stride_vch
+    if KV == _FLOAT:
+        dot_dtype = k_ptr.dtype.element_ty
+    else:
+        dot_dtype = q_ptr.dtype.element_ty
+        k_head = tl.multiple_of(k_head, ALIGN)
+        v_head = tl.multiple_of(v_head, ALIGN)
     q_row = token * stride_qt + head * stride_qh
     q1, q2 = _load_query(
-        q_ptr, q_row, row_ok, stride_qd, kv_dtype, D1, D2, BLOCK_D1, BLOCK_D2, UPCAST
-    )
+        q_ptr, q_row, row_ok, stride_qd, dot_dtype, D1, D2, BLOCK_D1, BLOCK_D2, UPCAST,
+        KV == _INT4,
+    )  # fmt: skip
 
     acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -471,14 +713,14 @@ def _prefill_kernel(
     hi = tl.where(tile_ok, prefix, lo)
     # Every cached position precedes every row: the window is the only per-row mask.
     acc, m_i, l_i = _attend(
-        acc, m_i, l_i, q1, q2, prefix + q_idx, k_cache_ptr + kv_head * stride_kch,
-        v_cache_ptr + kv_head * stride_vch, table_ptr + seq.to(tl.int64) * stride_tb, ring_len,
+        acc, m_i, l_i, q1, q2, prefix + q_idx, k_cache_ptr + k_head, v_cache_ptr + v_head,
+        table_ptr + seq.to(tl.int64) * stride_tb, ring_len,
         lo, hi, window, qk_scale, stride_kcn, stride_kcb, stride_kcd, stride_vcn, stride_vcb,
         stride_vcd,
         PAGED=True, TILE_IN_BLOCK=False, SHARED_V=SHARED_V, BS=BS, RING=WINDOWED, CAUSAL=False,
         WINDOWED=WINDOWED,
         D1=D1, D2=D2, DV=DV, BLOCK_N=BLOCK_N, BLOCK_D1=BLOCK_D1, BLOCK_D2=BLOCK_D2,
-        BLOCK_DV=BLOCK_DV, PRECISION=PRECISION, UPCAST=UPCAST,
+        BLOCK_DV=BLOCK_DV, PRECISION=PRECISION, UPCAST=UPCAST, KV=KV, ALIGN=ALIGN,
     )  # fmt: skip
 
     # The chunk's own keys come from k/v (not yet in the cache), causally, by row index.
@@ -487,21 +729,25 @@ def _prefill_kernel(
         j_lo = tl.maximum(q0 - window + 1, 0)
     j_hi = tl.where(tile_ok, tl.minimum(n, q0 + BLOCK_Q), j_lo)
     first = q_start.to(tl.int64)
+    k_new = first * stride_kt + kv_head * stride_kh
+    v_new = first * stride_vt + kv_head * stride_vh
+    if KV != _FLOAT:
+        k_new = tl.multiple_of(k_new, ALIGN)
+        v_new = tl.multiple_of(v_new, ALIGN)
     acc, m_i, l_i = _attend(
-        acc, m_i, l_i, q1, q2, q_idx, k_ptr + first * stride_kt + kv_head * stride_kh,
-        v_ptr + first * stride_vt + kv_head * stride_vh, table_ptr, ring_len,
+        acc, m_i, l_i, q1, q2, q_idx, k_ptr + k_new, v_ptr + v_new, table_ptr, ring_len,
         j_lo, j_hi, window, qk_scale, stride_kt, 0, stride_kd, stride_vt, 0, stride_vd,
         PAGED=False, TILE_IN_BLOCK=False, SHARED_V=SHARED_V_NEW, BS=BS, RING=False, CAUSAL=True,
         WINDOWED=WINDOWED,
         D1=D1, D2=D2, DV=DV, BLOCK_N=BLOCK_N, BLOCK_D1=BLOCK_D1, BLOCK_D2=BLOCK_D2,
-        BLOCK_DV=BLOCK_DV, PRECISION=PRECISION, UPCAST=UPCAST,
+        BLOCK_DV=BLOCK_DV, PRECISION=PRECISION, UPCAST=UPCAST, KV=KV, ALIGN=ALIGN,
     )  # fmt: skip
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     # Stored flat, as in decode: the row indices are derived anew from one range here.
     flat = tl.arange(0, BLOCK_Q * BLOCK_G * BLOCK_DV)
     row = flat // BLOCK_DV
-    col = flat % BLOCK_DV
+    col = _stored_column(flat % BLOCK_DV, KV == _INT4)
     q_idx = q0 + row // BLOCK_G
     g = (tl.program_id(1) % HEAD_TILES) * BLOCK_G + row % BLOCK_G
     o_ptrs = (
@@ -528,11 +774,58 @@ def _sm_count(device_index: int) -> int:
 
 
 def _v_is_k_prefix(k: torch.Tensor, v: torch.Tensor, d1: int) -> bool:
-    """v is the first d1 columns of k's own rows (MLA's latent view)."""
+    """v is the first d1 values of k's own rows (MLA's latent view)."""
     same_rows = v.shape[:-1] == k.shape[:-1] and v.stride() == k.stride()
     same_start = v.untyped_storage() is k.untyped_storage()
     same_start = same_start and v.storage_offset() == k.storage_offset()
-    return same_rows and same_start and v.shape[-1] == d1
+    return same_rows and same_start and kv_quant.value_dim(v) == d1
+
+
+def _format(cache: torch.Tensor) -> int:
+    """The kernels' name for the cache's format (``KV``)."""
+    return _FORMATS.get(cache.dtype, _FLOAT.value)
+
+
+def _kernel_view(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as the kernels read it: a quantized one as bytes."""
+    if not kv_quant.is_quantized(cache):
+        return cache
+    assert cache.stride(-1) == 1, "a quantized cache's rows are contiguous bytes"
+    return cache.view(torch.uint8)
+
+
+def _format_params(*caches: torch.Tensor) -> dict:
+    """KV, and ALIGN: the largest power of two up to 16 that every row start of the byte
+    caches divides by (their strides but the last), which Triton cannot see in strides that
+    are not multiples of 16 (an int8 row of 128 values takes 132 bytes)."""
+    align = 16
+    for cache in caches:
+        if kv_quant.is_quantized(cache):
+            for stride in cache.stride()[:-1]:
+                while stride % align:
+                    align //= 2
+    return dict(KV=_format(caches[0]), ALIGN=align)
+
+
+def _dot_dtype(q: torch.Tensor, cache: torch.Tensor) -> torch.dtype:
+    """What the kernels multiply in: a float cache's dtype, else the model's."""
+    return q.dtype if kv_quant.is_quantized(cache) else cache.dtype
+
+
+def rotated_query(q: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor:
+    """The query as the kernels take it: rotated like an int4 cache's keys, else as it is."""
+    return kv_quant.rotate(q).to(q.dtype) if kv_quant.rotated(k_cache) else q
+
+
+def rotated_output(out: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The kernels' output rotated back where the values were stored rotated (int4, whose
+    output is float32), in ``dtype``."""
+    return kv_quant.rotate(out).to(dtype) if kv_quant.rotated(v_cache) else out
+
+
+def _out_dtype(q: torch.Tensor, v_cache: torch.Tensor) -> torch.dtype:
+    # A rotated output is rounded once, after it is rotated back.
+    return torch.float32 if kv_quant.rotated(v_cache) else q.dtype
 
 
 def _rows_contiguous(block_tables: torch.Tensor) -> torch.Tensor:
@@ -647,11 +940,14 @@ def choose_num_splits(programs: int, max_context: int, sms: int) -> int:
 def write_cache_launches(
     cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor
 ) -> list[Launch]:
-    """What ``write_cache`` launches (nothing for no rows)."""
+    """What ``write_cache`` launches (nothing for no rows). int4 rows are rotated first, by a
+    matmul issued here."""
     num_tokens = rows.shape[0]
     if num_tokens == 0:
         return []
     _, block_size, heads, dim = cache.shape
+    if kv_quant.is_quantized(cache):
+        return [_quantize_launch(cache, rows, slot_mapping)]
     assert rows.shape[1:] == (heads, dim), (rows.shape, cache.shape)
     width = heads * dim
     block = min(triton.next_power_of_2(width), 1024)
@@ -661,9 +957,54 @@ def write_cache_launches(
                                                         BLOCK=block))]  # fmt: skip
 
 
+def _quantize_launch(
+    cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor | None
+) -> Launch:
+    """Rows [T, H, D] quantized into the cache's slots (``slot_mapping`` None: slot t is row
+    t), one program per row of a head."""
+    _, block_size, heads, _ = cache.shape
+    dim = kv_quant.value_dim(cache)
+    assert rows.shape[1:] == (heads, dim), (rows.shape, cache.shape)
+    if kv_quant.rotated(cache):
+        rows = kv_quant.rotate(rows)
+    view = _kernel_view(cache)
+    args = (view, rows, rows if slot_mapping is None else slot_mapping, *view.stride()[:3],
+            *rows.stride())  # fmt: skip
+    params = dict(BS=block_size, D=dim, KV=_format(cache), DIRECT=slot_mapping is None,
+                  BLOCK_D=_pow2(dim, 32))  # fmt: skip
+    return Launch(_write_quantized_kernel, (rows.shape[0], heads), args, params)
+
+
 def write_cache(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter ``rows`` ([T, H, D]) into ``cache`` ([N, bs, H, D]); slot -1 is skipped."""
+    """Scatter ``rows`` ([T, H, D]) into ``cache`` ([N, bs, H, R]) in its format; slot -1 is
+    skipped."""
     run(write_cache_launches(cache, rows, slot_mapping))
+
+
+def read_back_launches(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, list[Launch]]:
+    """A prefill chunk's new keys and values [T, H, D] as the caches give them back once
+    written (``reference.read_back``): rows in the caches' formats, and the launches that
+    quantize them (MLA's values are the prefix of the keys' rows)."""
+    if k.dtype == k_cache.dtype:
+        return k, v, []
+    shared = v_cache.untyped_storage() is k_cache.untyped_storage()
+    if not kv_quant.is_quantized(k_cache):
+        k_new = k.to(k_cache.dtype)
+        v_new = k_new[..., : v.shape[-1]] if shared else v.to(v_cache.dtype)
+        return k_new, v_new, []
+    launches = []
+    news = []
+    for rows, cache in ((k, k_cache), (v, v_cache)):
+        if news and shared:
+            news.append(news[0][..., : v_cache.shape[-1]])
+            break
+        new = rows.new_empty(rows.shape[0], 1, *cache.shape[2:], dtype=cache.dtype)
+        if rows.shape[0]:
+            launches.append(_quantize_launch(new, rows, None))
+        news.append(new[:, 0])
+    return news[0], news[1], launches
 
 
 @dataclass(frozen=True)
@@ -697,7 +1038,8 @@ def launch_plan(
     ``sms``: the multiprocessors to fill, by default ``device_sms`` of q's device."""
     num_kv_heads = k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
-    tile = tile or decode_tile(k_cache.dtype, q.shape[-1], group, k_cache.shape[1], window)
+    dtype = _dot_dtype(q, k_cache)
+    tile = tile or decode_tile(dtype, q.shape[-1], group, k_cache.shape[1], window)
     head_tiles = triton.cdiv(group, tile.rows)
     if num_splits is None:
         sms = device_sms(q.device) if sms is None else sms
@@ -724,11 +1066,13 @@ def decode_launches(
     tile: Tile | None = None,
     sms: int | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
-    """The output of ``decode_attention`` (not yet written) and the launches that fill it."""
+    """The output of ``decode_attention`` (not yet written) and the launches that fill it.
+    Over an int4 cache, q is rotated (``rotated_query``) and the output is too, in float32
+    (``rotated_output``)."""
     batch, num_heads, dk = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    dv = v_cache.shape[-1]
-    out = torch.empty(batch, num_heads, dv, dtype=q.dtype, device=q.device)
+    dv = kv_quant.value_dim(v_cache)
+    out = torch.empty(batch, num_heads, dv, dtype=_out_dtype(q, v_cache), device=q.device)
     if batch == 0:
         return out, []
     block_tables = _rows_contiguous(block_tables)
@@ -741,16 +1085,18 @@ def decode_launches(
     part_lse = torch.empty(parts, dtype=torch.float32, device=q.device)
     dims = _dims(dk, dv)
     grid = (batch, num_kv_heads * plan.head_tiles, num_splits)
+    k_view, v_view = _kernel_view(k_cache), _kernel_view(v_cache)
     args = (
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        q, k_view, v_view, block_tables, seq_lens, out, part_out, part_lse,
         scale * _LOG2E, window, block_tables.shape[1], num_heads, num_splits,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
+        *q.stride(), *k_view.stride(), *v_view.stride(), block_tables.stride(0), *out.stride(),
     )  # fmt: skip
     params = dict(
         GROUP=num_heads // num_kv_heads, HEAD_TILES=plan.head_tiles, BS=block_size,
         WINDOWED=window > 0, SHARED_V=_v_is_k_prefix(k_cache, v_cache, dims["D1"]),
-        BLOCK_G=tile.rows, BLOCK_N=tile.block_n, **dims, **_precision(k_cache.dtype),
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        BLOCK_G=tile.rows, BLOCK_N=tile.block_n, **dims, **_precision(_dot_dtype(q, k_cache)),
+        **_format_params(k_cache, v_cache), num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )  # fmt: skip
     launches = [Launch(_decode_kernel, grid, args, params)]
     if num_splits > 1:
@@ -779,11 +1125,11 @@ def decode_attention(
     override the defaults (tests force split-K on and off; the benchmark sweeps tiles).
     """
     out, launches = decode_launches(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, window,
+        rotated_query(q, k_cache), k_cache, v_cache, block_tables, seq_lens, scale, window,
         num_splits=num_splits, tile=tile,
     )  # fmt: skip
     run(launches)
-    return out
+    return rotated_output(out, v_cache, q.dtype)
 
 
 def prefill_launches(
@@ -800,26 +1146,32 @@ def prefill_launches(
     *,
     tile: Tile | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
-    """The output of ``prefill_attention`` (not yet written) and the launches that fill it."""
-    assert k.dtype == k_cache.dtype and v.dtype == v_cache.dtype, "new K/V in the cache dtype"
+    """The output of ``prefill_attention`` (not yet written) and the launches that fill it:
+    those that quantize the chunk's keys and values as the cache would (``read_back_launches``),
+    then the attention. Over an int4 cache, q is rotated and the output is too, as in
+    ``decode_launches``."""
     block_tables = _rows_contiguous(block_tables)
     num_tokens, num_heads, dk = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    out = torch.empty(num_tokens, num_heads, v.shape[-1], dtype=q.dtype, device=q.device)
+    dv = kv_quant.value_dim(v_cache)
+    out = torch.empty(num_tokens, num_heads, dv, dtype=_out_dtype(q, v_cache), device=q.device)
     batch = prefix_lens.shape[0]
     if num_tokens == 0 or batch == 0:
         return out, []
+    k, v, launches = read_back_launches(k, v, k_cache, v_cache)
     group = num_heads // num_kv_heads
-    dims = _dims(dk, v_cache.shape[-1])
-    tile = tile or prefill_tile(k_cache.dtype, dk, v_cache.shape[-1], group)
+    dims = _dims(dk, dv)
+    dtype = _dot_dtype(q, k_cache)
+    tile = tile or prefill_tile(dtype, dk, dv, group)
     block_g = min(triton.next_power_of_2(group), tile.rows)
     block_q = tile.rows // block_g
     head_tiles = triton.cdiv(group, block_g)
     grid = (num_tokens // block_q + batch, num_kv_heads * head_tiles)
+    views = [_kernel_view(t) for t in (k, v, k_cache, v_cache)]
     args = (
-        q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, out,
+        q, *views, block_tables, cu_seqlens_q, prefix_lens, out,
         scale * _LOG2E, window, block_tables.shape[1], batch,
-        *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        *q.stride(), *(stride for t in views for stride in t.stride()),
         block_tables.stride(0), *out.stride(),
     )  # fmt: skip
     params = dict(
@@ -827,9 +1179,10 @@ def prefill_launches(
         SHARED_V=_v_is_k_prefix(k_cache, v_cache, dims["D1"]),
         SHARED_V_NEW=_v_is_k_prefix(k, v, dims["D1"]),
         BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_SEQS=SEQS_PER_PASS, BLOCK_N=tile.block_n,
-        **dims, **_precision(k_cache.dtype), num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **dims, **_precision(dtype), **_format_params(k_cache, v_cache, k, v),
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
-    return out, [Launch(_prefill_kernel, grid, args, params)]
+    return out, [*launches, Launch(_prefill_kernel, grid, args, params)]
 
 
 def prefill_attention(
@@ -853,8 +1206,8 @@ def prefill_attention(
     block table, then the chunk's own keys up to its last row.
     """
     out, launches = prefill_launches(
-        q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, scale, window,
-        tile=tile,
+        rotated_query(q, k_cache), k, v, k_cache, v_cache, block_tables, cu_seqlens_q,
+        prefix_lens, scale, window, tile=tile,
     )  # fmt: skip
     run(launches)
-    return out
+    return rotated_output(out, v_cache, q.dtype)
