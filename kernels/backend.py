@@ -4,10 +4,11 @@ A backend owns every operation on the paged cache: writing new K/V, prefill and 
 attention, re-rotating cached keys after a context shift, and copying whole blocks (swap). It
 takes a step as one object, as mini-sglang's backends take their batch: a layer's cache and its
 KV-cache group's ``AttentionMetadata`` (``kernels.paged.ForwardContext`` holds them by layer).
-``torch`` is the plain reference; ``cpu`` is it with the C++ kernels of ``kernels.cpu`` (float32
-caches; the default on CPU where they build), which can also run a float32 model's linear layers
-(``prepare``) and whole decoder layers in one call (``decoder_layers``); ``triton`` runs the
-Triton kernels on CUDA. Shapes are those of ``kernels.reference``.
+``torch`` is the plain reference; ``cpu`` is it with the C++ kernels of ``kernels.cpu`` (caches
+in every format of ``kernels.kv_quant``; the default on CPU where they build), which can also run
+a float32 model's linear layers (``prepare``) and whole decoder layers in one call
+(``decoder_layers``); ``triton`` runs the Triton kernels on CUDA. Shapes are those of
+``kernels.reference``.
 
 The model runner orders each step's sequences decodes first (one new token each), then prefill
 chunks; ``AttentionMetadata.decodes`` and ``.prefills`` are the two parts as metadata of their
@@ -235,13 +236,12 @@ def sdpa_attend(q, k, v, scale, mask):
 
 
 class CpuBackend(TorchBackend):
-    """The torch reference, with decode attention and cache writes by the C++ kernels and
-    prefill attention by torch's fused attention.
+    """The torch reference, with decode attention and cache writes by the C++ kernels (which
+    read and write every cache format) and prefill attention by torch's fused attention.
 
     ``model_kernels``: whether the kernels also run the model, decided once by the model
     runner: its float32 and block-format linear layers (``prepare``) and, in a step of up to
-    ``cpu.MAX_ROWS`` new tokens over float32 caches, all its decoder layers in one call
-    (``decoder_layers``).
+    ``cpu.MAX_ROWS`` new tokens, all its decoder layers in one call (``decoder_layers``).
     Not for a tensor-parallel rank: the fused layer would skip the all-reduces, and a swapped
     projection would drop the hook that makes them."""
 
@@ -261,7 +261,7 @@ class CpuBackend(TorchBackend):
         return _reference_prefill(q, k, v, kv_cache, meta, scale, attend)
 
     def write_cache(self, cache, rows, slots):
-        if self._cpu.usable(cache) and cache.stride(2) == cache.shape[3]:
+        if self._cpu.takes_cache(cache) and cache.stride(2) == cache.shape[3]:
             self._cpu.write_cache(cache, rows, slots)
         else:
             reference.write_cache(cache, rows, slots)
@@ -270,6 +270,7 @@ class CpuBackend(TorchBackend):
         return None  # the kernel walks the block table itself; the fallback plans per call
 
     def rotate_keys(self, cache, blocks, delta, layout):
+        # A quantized cache's rows are dequantized, rotated and stored again by the reference.
         if not self._cpu.usable(cache) or cache.stride(-1) != 1:
             return super().rotate_keys(cache, blocks, delta, layout)
         if blocks.numel() and delta:
@@ -277,7 +278,7 @@ class CpuBackend(TorchBackend):
             self._cpu.rotate_keys(cache, blocks, cos, sin, layout.start, layout.interleaved)
 
     def decode(self, q, kv_cache, meta, scale):
-        if self._cpu.usable(kv_cache[0]):
+        if all(self._cpu.takes_cache(c) for c in kv_cache):
             return self._cpu.decode_attention(
                 q, *kv_cache, meta.block_tables, meta.seq_lens, scale, meta.window
             )
@@ -317,15 +318,15 @@ class CpuBackend(TorchBackend):
 
     def decoder_layers(self, layers, x, rope, batch):
         """One ``cpu.decoder_layers`` call, which writes and reads the caches itself (decodes
-        and prefill chunks alike), where it applies: float32 caches, at most ``MAX_ROWS``
-        rows, no MLP bias (the fused layer adds none)."""
+        and prefill chunks alike, in the caches' formats), where it applies: at most
+        ``MAX_ROWS`` rows, no MLP bias (the fused layer adds none)."""
         if not self.model_kernels or x.shape[0] > self._cpu.MAX_ROWS:
             return None
         weights = [layer.weights for layer in layers]
         if any(p.bias is not None for w in weights for p in w.gate_up + w.down):
             return None
         caches, metas = zip(*(batch.layer(layer.layer_id) for layer in layers))
-        if not all(self._cpu.usable(k_cache) for k_cache, _ in caches):
+        if not all(self._cpu.takes_cache(c) for kv in caches for c in kv):
             return None
         return self._cpu.decoder_layers(
             x, rope, weights, list(caches), list(metas), layers[0].constants

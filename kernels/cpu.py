@@ -9,14 +9,20 @@ paged decode attention read straight from the block pool, cache writes, RMSNorm,
 embedding and gated activations. Their plain torch counterparts (``kernels.reference``,
 ``models.layers``) stay the reference the tests compare with.
 
+The KV cache may be stored in any format of ``kernels.kv_quant`` (float32, float16, bfloat16,
+int8, fp8_e4m3, int4): the cache writes quantize as the reference does, byte for byte (int4's
+rotation up to a rounding), and attention reads the stored rows, a tile at a time converted
+once for every query head that reads it (``kv_format.h``).
+
 Weights may stay in their GGUF block formats (``kernels.weights``): the products round the
 activations to two int8 digits per group of 32 values (64 for the K formats), x = d (254 q + ql),
 and multiply bytes (``qlinear``, ``qtiles``), reading a Q4_K matrix at about a seventh of its
 float32 size.
 
 The library is one file per kind of kernel (``linear``, ``qlinear``, ``qtiles``, ``attention``,
-``cache``, ``pointwise``, ``decoder_layer``), over ``vec.h`` and ``qdot.h``, the files written
-for the instruction set (``qformats.h`` lays out the block formats), and ``threads.h``;
+``cache``, ``kv_format``, ``pointwise``, ``decoder_layer``), over ``vec.h`` and ``qdot.h``, the
+files written for the instruction set (``qformats.h`` lays out the block formats), and
+``threads.h``;
 ``bindings.cpp`` and ``layer_args.cpp`` register the torch ops. It is built on first use with
 the system C++ compiler, once per instruction set (``ISAS``: ``avx2``, ``avx512`` with VNNI,
 each its own op namespace), and cached by torch (under ``$TORCH_EXTENSIONS_DIR``, default
@@ -37,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.kv_quant import KV_DTYPES, value_dim
 from kernels.weights import DecoderLayerWeights, Parts, Weight
 
 SOURCES = Path(__file__).with_name("csrc") / "cpu"
@@ -159,13 +166,22 @@ def linear(x: torch.Tensor, parts: Parts | Weight, isa: str | None = None) -> to
     )
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int):
-    """As ``reference.decode_attention``, without gathering the context first."""
-    return _ops().decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window)
+def decode_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int, isa: str | None = None
+):
+    """As ``reference.decode_attention``, without gathering the context first: the caches read
+    in their format (``takes_cache``), in float32 whatever q's dtype."""
+    out = ops(isa).decode_attention(
+        q.float(), k_cache, v_cache, block_tables, seq_lens, scale, window
+    )
+    return out.to(q.dtype)
 
 
-def write_cache(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
-    _ops().write_cache(cache, rows, slots)
+def write_cache(
+    cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, isa: str | None = None
+) -> None:
+    """As ``reference.write_cache``: ``rows`` quantized to the cache's format."""
+    ops(isa).write_cache(cache, rows, slots)
 
 
 def rotate_keys(cache: torch.Tensor, blocks: torch.Tensor, cos, sin, start: int, interleaved):
@@ -188,11 +204,19 @@ def gated_act(h: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 def decoder_layers(
-    x, rope: list, layers: list[DecoderLayerWeights], caches: list, metas: list, config: tuple
+    x,
+    rope: list,
+    layers: list[DecoderLayerWeights],
+    caches: list,
+    metas: list,
+    config: tuple,
+    isa: str | None = None,
 ):
     """Pre-norm decoder layers for a step's new tokens (decodes and prefill chunks), in one call
     (see ``csrc/cpu/decoder_layer.h``). Per layer: ``rope`` its (cos, sin) per token, ``layers``
-    its weights, ``caches`` its (k_cache, v_cache), ``metas`` its group's ``AttentionMetadata``.
+    its weights, ``caches`` its (k_cache, v_cache) in any format ``takes_cache`` takes (a prefill
+    chunk reads its own keys and values as the cache gives them back), ``metas`` its group's
+    ``AttentionMetadata``.
     ``config`` (eps, norm offset, scale, num_heads, activation). The weights go by name
     (``DecoderLayerWeights.named_tensors``): the kernel binds each to its slot by that name."""
     eps, offset, scale, heads, act = config
@@ -202,7 +226,7 @@ def decoder_layers(
     names = list(dict.fromkeys(name for n in named for name in n))
     weights = [n.get(name) for n in named for name in names]
     formats = [w.named_formats().get(name, 0) for w in layers for name in names]
-    return _ops().decoder_layers(
+    return ops(isa).decoder_layers(
         x, [c for c, _ in rope], [s for _, s in rope], names, weights, formats,
         [k for k, _ in caches],
         [v for _, v in caches], [m.slot_mapping for m in metas], [m.block_tables for m in metas],
@@ -214,6 +238,18 @@ def decoder_layers(
 
 def usable(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.float32
+
+
+def takes_cache(cache: torch.Tensor) -> bool:
+    """Whether the kernels read and write this cache: on the CPU, in a ``kv_quant`` format, its
+    rows dense and whole."""
+    return (
+        cache.device.type == "cpu"
+        and cache.dtype in KV_DTYPES.values()
+        and cache.dim() == 4
+        and cache.stride(-1) == 1
+        and value_dim(cache) > 0
+    )
 
 
 class FastLinear(nn.Module):

@@ -9,24 +9,42 @@
 #include "vec.h"
 
 namespace kvserve {
+
+// A query vector of a unit and its running softmax over the unit's rows lo .. hi - 1: `out`
+// holds the sum of exp(score - mx) v over the rows taken so far, `sum` that of exp(score - mx).
+struct QueryState {
+  const float* q;
+  float* out;
+  int64_t lo, hi;
+  float mx, sum;
+};
+
+AttentionScratch::AttentionScratch() = default;
+AttentionScratch::~AttentionScratch() = default;
+
 namespace {
 
-// Key and value rows of n positions, a pointer per position.
-struct KVRows {
-  const float* const* k;
-  const float* const* v;
-  int64_t n;
+// Rows per tile of a unit: a tile's converted rows (at most 16 KiB) stay in L1 while every
+// query that attends them reads them.
+int64_t tile_rows(int64_t D) { return std::clamp<int64_t>(4096 / D / 8 * 8, 8, 32); }
+
+// What a tile's attention needs to know of its rows and queries.
+struct TileShape {
+  int64_t Dk, Dv, tile;  // tile: the most rows of a tile (scores per query)
+  float scale;
 };
 
-// What the first pass over a unit's rows requests ahead, AHEAD rows further as it goes: the
-// first k_floats of each key row and v_floats of each value row. The cache has usually left
-// the CPU caches since the layer's last step (the weights streamed through them).
-struct Lookahead {
-  bool on = false;
-  int64_t k_floats = 0, v_floats = 0;
-};
-
-constexpr int64_t AHEAD = 32;  // rows
+void prepare(AttentionScratch& s, int64_t n, int64_t queries, const TileShape& t, int64_t rotated) {
+  s.krows.resize(n);
+  s.vrows.resize(n);
+  s.ktile.resize(t.tile);
+  s.vtile.resize(t.tile);
+  s.floats.resize(t.tile);
+  s.tile.resize(t.tile * std::max(t.Dk, t.Dv));
+  s.scores.resize(queries * t.tile);
+  s.rotated.resize(rotated);
+  s.queries.resize(queries);
+}
 
 // s[i] = exp(s[i] - mx) over n floats; returns their sum.
 inline float exp_shifted(float* s, int64_t n, float mx) {
@@ -43,23 +61,19 @@ inline float exp_shifted(float* s, int64_t n, float mx) {
   return total;
 }
 
-// s[i] = dot(q, kv.k[i]) * scale for i < kv.n, eight rows side by side so that their products
-// do not wait on each other.
-void scores_of(const float* q, const KVRows& kv, int64_t D, float scale, float* s,
-               const Lookahead& ahead) {
-  auto request = [](const float* row, int64_t d) {
-    for (int64_t c = 0; c < d; c += 16) prefetch_l1(row + c);
-  };
-  const float* const* rows = kv.k;
-  const int64_t n = kv.n;
-  if (ahead.on)
-    for (int64_t r = 0; r < std::min(n, AHEAD); ++r)
-      request(rows[r], ahead.k_floats), request(kv.v[r], ahead.v_floats);
+// x[D] *= f.
+inline void scale_row(float* x, int64_t D, float f) {
+  int64_t c = 0;
+  for (; c + 8 <= D; c += 8) store8(x + c, mul8(load8(x + c), splat8(f)));
+  for (; c < D; ++c) x[c] *= f;
+}
+
+// s[i] = dot(q, rows[i]) * scale for i < n, eight rows side by side so that their products do
+// not wait on each other.
+void scores_of(const float* q, const float* const* rows, int64_t n, int64_t D, float scale,
+               float* s) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    if (ahead.on)
-      for (int64_t r = i + AHEAD; r < std::min(n, i + AHEAD + 8); ++r)
-        request(rows[r], ahead.k_floats), request(kv.v[r], ahead.v_floats);
     vec8 acc[8];
     for (int r = 0; r < 8; ++r) acc[r] = zero8();
     int64_t d = 0;
@@ -74,51 +88,107 @@ void scores_of(const float* q, const KVRows& kv, int64_t D, float scale, float* 
   for (; i < n; ++i) s[i] = dot(q, rows[i], D) * scale;
 }
 
-// out[c .. c + 8V) = scale * sum_i p[i] rows[i][c .. c + 8V), held in V registers.
+// out[c .. c + 8V) += sum_i p[i] rows[i][c .. c + 8V), held in V registers.
 template <int V>
-inline void weighted_cols(const float* p, const float* const* rows, int64_t n, int64_t c,
-                          float scale, float* out) {
+inline void add_weighted_cols(const float* p, const float* const* rows, int64_t n, int64_t c,
+                              float* out) {
   vec8 acc[V];
-  for (int j = 0; j < V; ++j) acc[j] = zero8();
+  for (int j = 0; j < V; ++j) acc[j] = load8(out + c + 8 * j);
   for (int64_t i = 0; i < n; ++i) {
     const vec8 pi = splat8(p[i]);
     const float* row = rows[i] + c;
     for (int j = 0; j < V; ++j) acc[j] = fma8(pi, load8(row + 8 * j), acc[j]);
   }
-  for (int j = 0; j < V; ++j) store8(out + c + 8 * j, mul8(acc[j], splat8(scale)));
+  for (int j = 0; j < V; ++j) store8(out + c + 8 * j, acc[j]);
 }
 
-// out[D] = scale * sum_i p[i] rows[i], 64 columns per pass over the rows.
-void weighted_sum(const float* p, const float* const* rows, int64_t n, int64_t D, float scale,
-                  float* out) {
+// out[D] += sum_i p[i] rows[i], 64 columns per pass over the rows.
+void add_weighted(const float* p, const float* const* rows, int64_t n, int64_t D, float* out) {
   int64_t c = 0;
-  for (; c + 64 <= D; c += 64) weighted_cols<8>(p, rows, n, c, scale, out);
-  for (; c + 8 <= D; c += 8) weighted_cols<1>(p, rows, n, c, scale, out);
-  for (; c < D; ++c) {  // columns past the last multiple of 8 (none in practice)
-    float sum = 0.f;
-    for (int64_t i = 0; i < n; ++i) sum += p[i] * rows[i][c];
-    out[c] = sum * scale;
+  for (; c + 64 <= D; c += 64) add_weighted_cols<8>(p, rows, n, c, out);
+  for (; c + 8 <= D; c += 8) add_weighted_cols<1>(p, rows, n, c, out);
+  for (; c < D; ++c)  // columns past the last multiple of 8 (none in practice)
+    for (int64_t i = 0; i < n; ++i) out[c] += p[i] * rows[i][c];
+}
+
+// The query's running softmax over n more scores s (left as their exp(s - mx)).
+void take_scores(QueryState& qs, float* s, int64_t n, int64_t Dv) {
+  float mx = qs.mx;
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
+  if (mx > qs.mx) {
+    if (qs.sum > 0.f) {  // what the earlier rows added, to the new maximum
+      const float f = std::exp(qs.mx - mx);
+      qs.sum *= f;
+      scale_row(qs.out, Dv, f);
+    }
+    qs.mx = mx;
+  }
+  qs.sum += exp_shifted(s, n, qs.mx);
+}
+
+// A tile's m rows as floats: the cache's own (F32), else converted into s.tile.
+template <KvFormat F>
+const float* const* tile_floats(const uint8_t* const* rows, int64_t m, int64_t D,
+                                AttentionScratch& s) {
+  for (int64_t i = 0; i < m; ++i) {
+    if constexpr (F == KvFormat::F32) {
+      s.floats[i] = reinterpret_cast<const float*>(rows[i]);
+    } else {
+      float* t = s.tile.data() + i * D;
+      load_row<F>(rows[i], D, t);
+      s.floats[i] = t;
+    }
+  }
+  return s.floats.data();
+}
+
+// Rows t0 .. t0 + m - 1 of a unit (k, v: those rows of one KV head) taken by the queries qs [nq]
+// that attend them.
+template <KvFormat F>
+void attend_tile(QueryState* qs, int64_t nq, const uint8_t* const* k, const uint8_t* const* v,
+                 int64_t t0, int64_t m, const TileShape& t, AttentionScratch& s) {
+  const auto part = [&](const QueryState& q) {
+    return std::pair<int64_t, int64_t>{std::max<int64_t>(q.lo - t0, 0), std::min(q.hi - t0, m)};
+  };
+  const float* const* keys = tile_floats<F>(k, m, t.Dk, s);
+  for (int64_t j = 0; j < nq; ++j) {
+    const auto [a, b] = part(qs[j]);
+    if (a >= b) continue;
+    float* scores = s.scores.data() + j * t.tile;
+    scores_of(qs[j].q, keys + a, b - a, t.Dk, t.scale, scores);
+    take_scores(qs[j], scores, b - a, t.Dv);
+  }
+  const float* const* values = tile_floats<F>(v, m, t.Dv, s);
+  for (int64_t j = 0; j < nq; ++j) {
+    const auto [a, b] = part(qs[j]);
+    if (a < b) add_weighted(s.scores.data() + j * t.tile, values + a, b - a, t.Dv, qs[j].out);
   }
 }
 
-// out[Dv] = softmax(scale * q . kv.k[i]) . kv.v over kv.n rows, the scores in `scores`;
-// returns their max and the sum of exp(score - max) (0 with no rows).
-std::pair<float, float> attend(const float* q, const KVRows& kv, int64_t Dk, int64_t Dv,
-                               float scale, float* scores, float* out,
-                               const Lookahead& ahead = {}) {
-  const int64_t n = kv.n;
-  scores_of(q, kv, Dk, scale, scores, ahead);
-  float mx = -INFINITY;
-  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, scores[i]);
-  const float sum = n > 0 ? exp_shifted(scores, n, mx) : 0.f;
-  weighted_sum(scores, kv.v, n, Dv, sum > 0 ? 1.f / sum : 0.f, out);
-  return {mx, sum};
+// Query q [Dk] (I4: rotated into `rotated`) attending a unit's rows lo .. hi - 1, its output
+// [Dv] at out.
+template <KvFormat F>
+QueryState query_of(const float* q, int64_t Dk, float* rotated, float* out, int64_t Dv,
+                    int64_t lo, int64_t hi) {
+  if constexpr (F == KvFormat::I4) {
+    std::copy_n(q, Dk, rotated);
+    hadamard(rotated, Dk);
+    q = rotated;
+  }
+  std::fill_n(out, Dv, 0.f);
+  return {q, out, lo, hi, -INFINITY, 0.f};
 }
 
-void resize(AttentionScratch& s, int64_t n) {
-  s.scores.resize(n);
-  s.krows.resize(n);
-  s.vrows.resize(n);
+// The query's output normalized (I4: rotated back); zeros without rows.
+template <KvFormat F>
+void finish(const QueryState& qs, int64_t Dv) {
+  scale_row(qs.out, Dv, qs.sum > 0.f ? 1.f / qs.sum : 0.f);
+  if constexpr (F == KvFormat::I4) hadamard(qs.out, Dv);
+}
+
+// Requests rows into L2 ahead of their tile: `bytes` from each.
+void request(const uint8_t* const* rows, int64_t n, int64_t bytes) {
+  for (int64_t i = 0; i < n; ++i) prefetch_bytes_l2(rows[i], bytes);
 }
 
 }  // namespace
@@ -138,13 +208,20 @@ int64_t PagedAttention::first(int64_t b) const {
 }
 
 void PagedAttention::unit(int64_t u, AttentionScratch& s) const {
+  with_format(cache.k.format, [&](auto f) { unit_in<decltype(f)::value>(u, s); });
+}
+
+template <KvFormat F>
+void PagedAttention::unit_in(int64_t u, AttentionScratch& s) const {
   const int64_t b = u / parts, part = u % parts;
   const int64_t whole = span(b), lo = first(b) + whole * part / parts;
   const int64_t hi = first(b) + whole * (part + 1) / parts, n = hi - lo;
-  resize(s, n);
+  const CacheRows &k = cache.k, &v = cache.v;
+  const int64_t Hq = q.heads, G = Hq / k.heads, Dk = k.dim, Dv = v.dim;
+  const TileShape shape{Dk, Dv, tile_rows(std::max(Dk, Dv)), q.scale};
+  prepare(s, n, Hq, shape, F == KvFormat::I4 ? Hq * Dk : 0);
   // Head 0's rows of positions lo .. hi - 1, one table lookup per block (a ring of W with a
   // window); each further head's rows are these moved by the head stride.
-  const CacheRows &k = cache.k, &v = cache.v;
   for (int64_t pos = lo; pos < hi;) {
     const auto [kr, vr] = cache.rows(b, pos);
     const int64_t m = std::min(k.bs - pos % k.bs, hi - pos);
@@ -154,22 +231,32 @@ void PagedAttention::unit(int64_t u, AttentionScratch& s) const {
     }
     pos += m;
   }
-  const int64_t Hq = q.heads, G = Hq / k.heads, Dk = k.dim, Dv = v.dim;
-  const KVRows kv{s.krows.data(), s.vrows.data(), n};
-  for (int64_t h = 0; h < k.heads; ++h) {
-    if (h > 0)
-      for (int64_t i = 0; i < n; ++i) s.krows[i] += k.s2, s.vrows[i] += v.s2;
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t hq = h * G + g;
-      // The first pass requests every head's rows ahead.
-      const Lookahead ahead{h == 0 && g == 0, (k.heads - 1) * k.s2 + Dk,
-                            (k.heads - 1) * v.s2 + Dv};
-      float* p = parts > 1 ? partial.data_ptr<float>() + (u * Hq + hq) * (2 + Dv) : nullptr;
-      float* out = p != nullptr ? p + 2 : q.out + (b * Hq + hq) * Dv;
-      const auto [mx, sum] =
-          attend(q.q + b * q.stride + hq * Dk, kv, Dk, Dv, q.scale, s.scores.data(), out, ahead);
-      if (p != nullptr) p[0] = mx, p[1] = sum;
+  for (int64_t hq = 0; hq < Hq; ++hq) {
+    float* out = parts > 1 ? partial.data_ptr<float>() + (u * Hq + hq) * (2 + Dv) + 2
+                           : q.out + (b * Hq + hq) * Dv;
+    s.queries[hq] = query_of<F>(q.q + b * q.stride + hq * Dk, Dk, s.rotated.data() + hq * Dk,
+                                out, Dv, 0, n);
+  }
+  // A tile's rows of every head in turn: the slot's rows of all heads leave memory once.
+  const int64_t ahead_k = (k.heads - 1) * k.s2 + k.row_bytes();
+  const int64_t ahead_v = (v.heads - 1) * v.s2 + v.row_bytes();
+  for (int64_t t0 = 0; t0 < n; t0 += shape.tile) {
+    const int64_t m = std::min(shape.tile, n - t0), next = std::min(shape.tile, n - t0 - m);
+    request(s.krows.data() + t0 + m, next, ahead_k);
+    request(s.vrows.data() + t0 + m, next, ahead_v);
+    for (int64_t h = 0; h < k.heads; ++h) {
+      for (int64_t i = 0; i < m; ++i) {
+        s.ktile[i] = s.krows[t0 + i] + h * k.s2;
+        s.vtile[i] = s.vrows[t0 + i] + h * v.s2;
+      }
+      attend_tile<F>(s.queries.data() + h * G, G, s.ktile.data(), s.vtile.data(), t0, m, shape,
+                     s);
     }
+  }
+  for (int64_t hq = 0; hq < Hq; ++hq) {
+    const QueryState& qs = s.queries[hq];
+    finish<F>(qs, Dv);
+    if (parts > 1) qs.out[-2] = qs.mx, qs.out[-1] = qs.sum;
   }
 }
 
@@ -201,8 +288,8 @@ void PagedAttention::run() const {
 }
 
 PrefillAttention::PrefillAttention(const CacheView& cache_, const Queries& q_,
-                                   const AttentionMeta& meta)
-    : cache(cache_), q(q_), prefix(meta.prefix_lens), cu(meta.cu_seqlens_q) {
+                                   const AttentionMeta& meta, const NewRows& fresh_)
+    : cache(cache_), q(q_), fresh(fresh_), prefix(meta.prefix_lens), cu(meta.cu_seqlens_q) {
   for (int64_t b = meta.num_decodes; b < meta.B; ++b) {
     TORCH_CHECK(prefix[b] >= 0 && (cache.window > 0 || prefix[b] <= cache.W * cache.k.bs),
                 "a prefix is longer than its block table");
@@ -215,29 +302,42 @@ int64_t PrefillAttention::lowest(int64_t pos) const {
 }
 
 void PrefillAttention::unit(int64_t u, AttentionScratch& s) const {
-  const int64_t Hkv = cache.k.heads, D = cache.k.dim, G = q.heads / Hkv;
+  with_format(cache.k.format, [&](auto f) { unit_in<decltype(f)::value>(u, s); });
+}
+
+template <KvFormat F>
+void PrefillAttention::unit_in(int64_t u, AttentionScratch& s) const {
+  const CacheRows &k = cache.k, &v = cache.v;
+  const int64_t Hkv = k.heads, Dk = k.dim, Dv = v.dim, G = q.heads / Hkv;
   const int64_t b = seq[u / Hkv], h = u % Hkv, r0 = row0[u / Hkv];
   const int64_t c0 = cu[b], r1 = std::min<int64_t>(r0 + ROWS, cu[b + 1]), P = prefix[b];
-  const int64_t lo = lowest(P + r0 - c0), hi = P + r1 - c0, n = hi - lo;
-  resize(s, n);
+  const int64_t lo = lowest(P + r0 - c0), hi = P + r1 - c0, n = hi - lo, nq = (r1 - r0) * G;
+  const TileShape shape{Dk, Dv, tile_rows(std::max(Dk, Dv)), q.scale};
+  prepare(s, n, nq, shape, F == KvFormat::I4 ? nq * Dk : 0);
   for (int64_t pos = lo; pos < hi; ++pos) {
-    const float *kr, *vr;
     if (pos < P) {
       const auto [k0, v0] = cache.rows(b, pos);
-      kr = k0 + h * cache.k.s2, vr = v0 + h * cache.v.s2;
+      s.krows[pos - lo] = k0 + h * k.s2, s.vrows[pos - lo] = v0 + h * v.s2;
     } else {
-      kr = q.q + (c0 + pos - P) * q.stride + q.heads * D + h * D;
-      vr = kr + Hkv * D;
+      const int64_t at = (c0 + pos - P) * fresh.row + h * fresh.head;
+      s.krows[pos - lo] = fresh.k + at, s.vrows[pos - lo] = fresh.v + at;
     }
-    s.krows[pos - lo] = kr, s.vrows[pos - lo] = vr;
   }
   for (int64_t r = r0; r < r1; ++r) {
-    const int64_t pos = P + r - c0, a = lowest(pos) - lo, m = pos - lowest(pos) + 1;
-    const KVRows kv{s.krows.data() + a, s.vrows.data() + a, m};
-    for (int64_t hq = h * G; hq < (h + 1) * G; ++hq)
-      attend(q.q + r * q.stride + hq * D, kv, D, D, q.scale, s.scores.data(),
-             q.out + (r * q.heads + hq) * D);
+    const int64_t pos = P + r - c0;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t j = (r - r0) * G + g, hq = h * G + g;
+      s.queries[j] = query_of<F>(q.q + r * q.stride + hq * Dk, Dk, s.rotated.data() + j * Dk,
+                                 q.out + (r * q.heads + hq) * Dv, Dv, lowest(pos) - lo,
+                                 pos - lo + 1);
+    }
   }
+  for (int64_t t0 = 0; t0 < n; t0 += shape.tile) {
+    const int64_t m = std::min(shape.tile, n - t0);
+    attend_tile<F>(s.queries.data(), nq, s.krows.data() + t0, s.vrows.data() + t0, t0, m, shape,
+                   s);
+  }
+  for (int64_t j = 0; j < nq; ++j) finish<F>(s.queries[j], Dv);
 }
 
 }  // namespace kvserve

@@ -1,7 +1,9 @@
 // Attention over the paged cache: decode (one query row per sequence, its context read
 // through the block table) and, inside the fused layers, prefill chunks (their new keys and
-// values read from the step's q|k|v rows, their prefix from the cache). Softmax in float32, as
-// kernels.reference, which the tests compare with.
+// values read from rows written in the cache's format for them, their prefix from the cache).
+// Rows are read in the cache's format (kv_format.h) a tile at a time, each tile by all the
+// query heads that attend it, with a running softmax in float32 as flash attention keeps it;
+// kernels.reference is what the tests compare with.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -16,7 +18,7 @@ namespace kvserve {
 
 // One layer's paged cache as attention reads it: per sequence a row of `tables`, W blocks (a
 // ring of W with a window), a slot's heads adjacent in its row. The value rows may have any
-// stride (MLA's values are a view of its key rows).
+// stride (MLA's values are a view of its key rows); keys and values share a format.
 struct CacheView {
   CacheRows k, v;
   const int32_t* tables;  // [sequences, W]
@@ -24,7 +26,7 @@ struct CacheView {
 
   // Head 0's key and value rows of sequence b at position pos; the next positions of its block
   // follow k.s1 and v.s1 apart.
-  std::pair<const float*, const float*> rows(int64_t b, int64_t pos) const {
+  std::pair<const uint8_t*, const uint8_t*> rows(int64_t b, int64_t pos) const {
     const int64_t logical = window > 0 ? (pos / k.bs) % W : pos / k.bs;
     const int64_t block = tables[b * W + logical], off = pos % k.bs;
     return {k.data + block * k.s0 + off * k.s1, v.data + block * v.s0 + off * v.s1};
@@ -50,10 +52,18 @@ struct Queries {
   float* out;
 };
 
-// A thread's space for a unit's scores and row pointers, kept from unit to unit.
+struct QueryState;
+
+// A thread's space for a unit's rows, queries and tiles, kept from unit to unit.
 struct AttentionScratch {
-  std::vector<float> scores;
-  std::vector<const float*> krows, vrows;
+  std::vector<const uint8_t*> krows, vrows;  // the unit's rows (decode: of its first head)
+  std::vector<const uint8_t*> ktile, vtile;  // a tile's rows of one head
+  std::vector<const float*> floats;          // a tile's rows as floats
+  std::vector<float> tile, scores, rotated;  // converted rows, scores per query, I4's queries
+  std::vector<QueryState> queries;
+
+  AttentionScratch();
+  ~AttentionScratch();
 };
 
 // Paged decode attention for B sequences of lengths lens, one query row each. The work is a
@@ -84,28 +94,41 @@ struct PagedAttention {
  private:
   int64_t first(int64_t b) const;
   int64_t span(int64_t b) const { return lens[b] - first(b); }
+  template <KvFormat F>
+  void unit_in(int64_t u, AttentionScratch& s) const;
+};
+
+// Where a prefill chunk's new keys and values are read: row r's head h at k + r * row + h * head
+// (and v + ...), bytes in the cache's format, written for this step but not yet to the cache.
+struct NewRows {
+  uint8_t *k, *v;
+  int64_t row, head;
 };
 
 // Prefill chunks attending causally to themselves and to their cached prefix, as
 // reference.prefill_attention: sequences num_decodes .. B - 1 of `meta`; the new tokens' keys
-// and values are read from the step's q|k|v rows (the queries' rows: their keys follow the
-// query heads, their values the keys), the prefix through the block table. The cache gets the
-// new rows after. A unit is a block of up to ROWS query rows of one sequence and one KV head
-// with its query heads: its keys and values stay in the CPU caches for all of them.
+// and values are read from `fresh` (as the cache will give them back), the prefix through the
+// block table. The cache gets the new rows after. A unit is a block of up to ROWS query rows
+// of one sequence and one KV head with its query heads: each tile of its keys and values is
+// read once for all of them.
 struct PrefillAttention {
   static constexpr int64_t ROWS = 16;
   CacheView cache;
   Queries q;
+  NewRows fresh;
   const int32_t *prefix, *cu;
   std::vector<int64_t> seq, row0;  // per block of rows: its sequence and first row
 
-  PrefillAttention(const CacheView& cache, const Queries& q, const AttentionMeta& meta);
+  PrefillAttention(const CacheView& cache, const Queries& q, const AttentionMeta& meta,
+                   const NewRows& fresh);
 
   int64_t units() const { return static_cast<int64_t>(seq.size()) * cache.k.heads; }
   void unit(int64_t u, AttentionScratch& s) const;
 
  private:
   int64_t lowest(int64_t pos) const;
+  template <KvFormat F>
+  void unit_in(int64_t u, AttentionScratch& s) const;
 };
 
 }  // namespace kvserve

@@ -49,7 +49,7 @@ at::Tensor linear_op(const at::Tensor& x, const std::vector<at::Tensor>& weights
   return y.view(sizes);
 }
 
-// q [B, Hq, Dk] -> [B, Hq, Dv].
+// q [B, Hq, Dk] -> [B, Hq, Dv], the caches read in their format.
 at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens, double scale, int64_t window) {
@@ -59,40 +59,40 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache,
   auto lens = seq_lens.contiguous();
   const int64_t B = qc.size(0), Hq = qc.size(1), Dk = qc.size(2);
   check_paged(k_cache, v_cache, tables, lens, Hq, Dk);
-  auto out = at::empty({B, Hq, v_cache.size(3)}, qc.options());
+  const CacheView view = view_of(k_cache, v_cache, tables, window);
+  auto out = at::empty({B, Hq, view.v.dim}, qc.options());
   const Queries queries{qc.data_ptr<float>(), Hq * Dk, Hq, static_cast<float>(scale),
                         out.data_ptr<float>()};
-  PagedAttention(view_of(k_cache, v_cache, tables, window), queries, lens.data_ptr<int32_t>(), B,
-                 at::get_num_threads())
-      .run();
+  PagedAttention(view, queries, lens.data_ptr<int32_t>(), B, at::get_num_threads()).run();
   return out;
 }
 
-// cache [N, bs, H, D] (each slot's [H, D] dense) at flat slots <- rows [T, H, D]; -1 skipped.
+// cache [N, bs, H, R] (each slot's H rows dense) at flat slots <- rows [T, H, D] quantized to
+// its format; -1 skipped.
 void write_cache_op(at::Tensor cache, const at::Tensor& rows, const at::Tensor& slots) {
-  check_f32(cache, "cache");
-  TORCH_CHECK(cache.stride(3) == 1 && cache.stride(2) == cache.size(3),
-              "cache slots must be dense");
+  const CacheRows c = rows_of(cache);
+  TORCH_CHECK(cache.stride(2) == cache.size(3), "cache slots must be dense");
   auto r = rows.to(at::kFloat).contiguous();
   auto sl = slots.to(at::kLong).contiguous();
   const int64_t T = r.size(0), row = r.numel() / std::max<int64_t>(T, 1);
-  TORCH_CHECK(row == cache.size(2) * cache.size(3), "rows do not match the cache's slots");
-  write_cache(rows_of(cache), r.data_ptr<float>(), sl.data_ptr<int64_t>(), T);
+  TORCH_CHECK(row == c.heads * c.dim && sl.numel() == T, "rows do not match the cache's slots");
+  write_cache(c, r.data_ptr<float>(), sl.data_ptr<int64_t>(), T);
 }
 
-// Rotates the rotary values of every row of the cache's `blocks` in place (see Rotation).
+// Rotates the rotary values of every row of the float32 cache's `blocks` in place (see
+// Rotation).
 void rotate_keys_op(at::Tensor cache, const at::Tensor& blocks, const at::Tensor& cos,
                     const at::Tensor& sin, int64_t start, bool interleaved) {
   check_f32(cache, "cache");
-  TORCH_CHECK(cache.dim() == 4 && cache.stride(3) == 1, "cache rows must be dense");
+  const CacheRows c = rows_of(cache);
   auto b = blocks.to(at::kLong).contiguous();
-  auto c = cos.to(at::kFloat).contiguous();
+  auto co = cos.to(at::kFloat).contiguous();
   auto s = sin.to(at::kFloat).contiguous();
-  const int64_t half = c.numel();
-  TORCH_CHECK(s.numel() == half && start + 2 * half <= cache.size(3),
+  const int64_t half = co.numel();
+  TORCH_CHECK(s.numel() == half && start + 2 * half <= c.dim,
               "the rotary pairs do not fit the cache's rows");
-  const Rotation rot{c.data_ptr<float>(), s.data_ptr<float>(), half, start, interleaved};
-  rotate_keys(rows_of(cache), b.data_ptr<int64_t>(), b.numel(), rot);
+  const Rotation rot{co.data_ptr<float>(), s.data_ptr<float>(), half, start, interleaved};
+  rotate_keys(c, b.data_ptr<int64_t>(), b.numel(), rot);
 }
 
 // RMSNorm over the last dimension.

@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
 
 #include "pointwise.h"
@@ -13,13 +14,16 @@ namespace kvserve {
 namespace {
 
 // The step's activations, shared by the layers (all of one shape): normed input, q|k|v,
-// attention output, h, normed h, gate|up, act.
+// attention output, h, normed h, gate|up, act; and the new keys and values in a quantized
+// cache's format (`fresh` bytes, keys then values), as prefill attention reads them.
 struct LayerScratch {
-  at::Tensor buf;
+  at::Tensor buf, fresh_buf;
   float *xn, *qkv, *attn, *h, *hn, *gu, *a;
+  uint8_t* fresh;
 
-  LayerScratch(int64_t T, int64_t H, int64_t nqkv, int64_t nq, int64_t I)
-      : buf(at::empty({T * (H + nqkv + nq + H + H + 2 * I + I)}, at::kFloat)) {
+  LayerScratch(int64_t T, int64_t H, int64_t nqkv, int64_t nq, int64_t I, int64_t fresh_bytes)
+      : buf(at::empty({T * (H + nqkv + nq + H + H + 2 * I + I)}, at::kFloat)),
+        fresh_buf(at::empty({fresh_bytes}, at::kByte)), fresh(fresh_buf.data_ptr<uint8_t>()) {
     xn = buf.data_ptr<float>();
     qkv = xn + T * H;
     attn = qkv + T * nqkv;
@@ -57,6 +61,7 @@ struct DecoderLayer {
   int64_t T, nd, H, Hq, Hkv, D, nq, nkv, nqkv, I, act;
   double eps;
   float off;
+  NewRows fresh;            // the prefill chunks' keys and values as the cache gives them back
   PagedAttention paged;     // the decodes: rows 0 .. nd - 1
   PrefillAttention chunks;  // the prefill chunks: rows nd .. T - 1
 
@@ -65,16 +70,28 @@ struct DecoderLayer {
       : w(in.weights), cos(in.cos), sin(in.sin), k_cache(in.cache.k), v_cache(in.cache.v),
         slot(in.meta.slots), T(T_), nd(in.meta.num_decodes), H(H_), Hq(c.num_heads),
         Hkv(k_cache.heads), D(k_cache.dim), nq(Hq * D), nkv(Hkv * D), nqkv(nq + 2 * nkv),
-        I(w.down.K), act(c.act), eps(c.eps), off(c.norm_offset),
+        I(w.down.K), act(c.act), eps(c.eps), off(c.norm_offset), fresh(new_rows(sc)),
         paged(in.cache, {sc.qkv, nqkv, Hq, c.scale, sc.attn}, in.meta.seq_lens, nd, threads),
-        chunks(in.cache, {sc.qkv, nqkv, Hq, c.scale, sc.attn}, in.meta) {
-    TORCH_CHECK(v_cache.dim == D && k_cache.s2 == D && v_cache.s2 == D,
+        chunks(in.cache, {sc.qkv, nqkv, Hq, c.scale, sc.attn}, in.meta, fresh) {
+    const int64_t R = k_cache.row_bytes();
+    TORCH_CHECK(v_cache.dim == D && k_cache.s2 == R && v_cache.s2 == R,
                 "the layer's cache slots must be dense [heads, head_dim] rows");
     TORCH_CHECK(w.qkv.N == nqkv && w.qkv.K == H && w.o.N == H && w.o.K == nq &&
                     w.gate_up.N == 2 * I && w.gate_up.K == H && w.down.N == H,
                 "the layer's weights do not have the shapes of its heads and hidden size");
     for (int64_t r = 0; r < T; ++r)
       TORCH_CHECK(slot[r] < k_cache.slots(), "slot ", slot[r], " is outside the cache");
+  }
+
+  // Where prefill attention reads the new keys and values: a float32 cache's are the q|k|v
+  // rows themselves, a quantized cache's are written to sc.fresh as the cache will hold them.
+  NewRows new_rows(const LayerScratch& sc) const {
+    if (k_cache.format == KvFormat::F32) {
+      auto* k = reinterpret_cast<uint8_t*>(sc.qkv + nq);
+      return {k, k + 4 * nkv, 4 * nqkv, 4 * D};
+    }
+    const int64_t R = k_cache.row_bytes();
+    return {sc.fresh, sc.fresh + T * Hkv * R, Hkv * R, R};
   }
 
   // This thread's part of y [T, H] = the layer of x [T, H]; ends with a barrier.
@@ -95,7 +112,7 @@ struct DecoderLayer {
     attend(p);
 #pragma omp barrier
     if (paged.rows_to_merge() > 0 || T > nd) {
-      finish_attention(p.team(), sc.qkv);
+      finish_attention(p.team());
 #pragma omp barrier
     }
     p.products.multiply(w.o, sc.attn, sc.h, p.next(O), nothing);
@@ -141,7 +158,7 @@ struct DecoderLayer {
   }
 
   // Per head row of q|k: normed (Gemma) and rotated; a decode's k and v written to the cache,
-  // which its attention reads.
+  // which its attention reads; a prefill chunk's to `fresh` in a quantized cache's format.
   void prepare_heads(Team team, float* qkv) const {
     auto [i0, i1] = team.share(T * (Hq + Hkv));
     for (int64_t i = i0; i < i1; ++i) {
@@ -150,14 +167,21 @@ struct DecoderLayer {
       const float* norm = head < Hq ? w.q_norm : w.k_norm;
       if (norm != nullptr) norm_row(row, norm, D, eps, off, row);
       rope_row(row, cos + r * D, sin + r * D, D);
-      if (head >= Hq && r < nd && slot[r] >= 0) store_kv(r, head - Hq, row);
+      if (head < Hq) continue;
+      if (r < nd && slot[r] >= 0) {
+        store_kv(r, head - Hq, row);
+      } else if (r >= nd && k_cache.format != KvFormat::F32) {
+        const int64_t at = r * fresh.row + (head - Hq) * fresh.head;
+        store_row(k_cache.format, row, D, fresh.k + at);
+        store_row(v_cache.format, row + nkv, D, fresh.v + at);
+      }
     }
   }
 
   // Row r's key of KV head `head` (its value nkv floats further) to its cache slot.
   void store_kv(int64_t r, int64_t head, const float* k_row) const {
-    std::copy_n(k_row, D, k_cache.slot(slot[r]) + head * D);
-    std::copy_n(k_row + nkv, D, v_cache.slot(slot[r]) + head * D);
+    store_row(k_cache.format, k_row, D, k_cache.slot(slot[r]) + head * k_cache.s2);
+    store_row(v_cache.format, k_row + nkv, D, v_cache.slot(slot[r]) + head * v_cache.s2);
   }
 
   void attend(const Pass& p) const {
@@ -170,15 +194,18 @@ struct DecoderLayer {
         });
   }
 
-  // The decodes' parts merged; the prefill chunks' k and v to the cache, once their attention
-  // has read the ring slots a sliding-window chunk may overwrite.
-  void finish_attention(Team team, const float* qkv) const {
+  // The decodes' parts merged; the prefill chunks' k and v to the cache (as `fresh` holds
+  // them), once their attention has read the ring slots a sliding-window chunk may overwrite.
+  void finish_attention(Team team) const {
     auto [r0, r1] = team.share(paged.rows_to_merge());
     for (int64_t r = r0; r < r1; ++r) paged.merge(r);
     auto [i0, i1] = team.share((T - nd) * Hkv);
+    const int64_t R = k_cache.row_bytes();
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t r = nd + i / Hkv, head = i % Hkv;
-      if (slot[r] >= 0) store_kv(r, head, qkv + r * nqkv + nq + head * D);
+      const int64_t r = nd + i / Hkv, head = i % Hkv, at = r * fresh.row + head * fresh.head;
+      if (slot[r] < 0) continue;
+      std::memcpy(k_cache.slot(slot[r]) + head * k_cache.s2, fresh.k + at, R);
+      std::memcpy(v_cache.slot(slot[r]) + head * v_cache.s2, fresh.v + at, R);
     }
   }
 
@@ -206,7 +233,11 @@ void decoder_layers(const float* x, int64_t T, int64_t H, const std::vector<Laye
   const LayerInputs& first = inputs.at(0);
   const int64_t D = first.cache.k.dim, nq = constants.num_heads * D;
   const int64_t nqkv = nq + 2 * first.cache.k.heads * D, I = first.weights.down.K;
-  const LayerScratch scratch(T, H, nqkv, nq, I);
+  int64_t fresh_bytes = 0;
+  for (const LayerInputs& in : inputs)
+    if (in.cache.k.format != KvFormat::F32)
+      fresh_bytes = std::max(fresh_bytes, 2 * T * in.cache.k.heads * in.cache.k.row_bytes());
+  const LayerScratch scratch(T, H, nqkv, nq, I, fresh_bytes);
   std::vector<DecoderLayer> layers;
   layers.reserve(L);
   for (const LayerInputs& in : inputs) {

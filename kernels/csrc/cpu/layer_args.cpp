@@ -187,7 +187,7 @@ AttentionMeta attention_meta(const LayerLists& lists, size_t l, int64_t T,
 LayerInputs layer_inputs(const LayerLists& lists, size_t l, int64_t T, int64_t H, int64_t Hq,
                          std::vector<at::Tensor>& kept) {
   const at::Tensor &k_cache = lists.k_caches[l], &v_cache = lists.v_caches[l];
-  const int64_t D = k_cache.size(3);
+  const int64_t D = rows_of(k_cache).dim;
   check_paged(k_cache, v_cache, lists.block_tables[l], lists.seq_lens[l], Hq, D);
   const at::Tensor c = lists.cos[l].to(at::kFloat).contiguous();
   const at::Tensor s = lists.sin[l].to(at::kFloat).contiguous();

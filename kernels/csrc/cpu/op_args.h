@@ -19,28 +19,53 @@ inline void check_f32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
 }
 
+// The KV-cache format a cache tensor's dtype names (kernels.kv_quant.KV_DTYPES).
+inline KvFormat kv_format_of(const at::Tensor& cache) {
+  switch (cache.scalar_type()) {
+    case at::kFloat: return KvFormat::F32;
+    case at::kHalf: return KvFormat::F16;
+    case at::kBFloat16: return KvFormat::BF16;
+    case at::kChar: return KvFormat::I8;
+    case at::kFloat8_e4m3fn: return KvFormat::FP8;
+    case at::kByte: return KvFormat::I4;
+    default:
+      TORCH_CHECK(false, "a KV cache must be float32, float16, bfloat16, int8, float8_e4m3fn or ",
+                  "uint8 (int4), not ", cache.scalar_type());
+  }
+}
+
+// A cache [blocks, bs, heads, row] on the CPU, each head's row dense and whole in its format.
 inline CacheRows rows_of(const at::Tensor& cache) {
-  return {cache.data_ptr<float>(), cache.size(0),   cache.size(1),   cache.size(2),
-          cache.size(3),           cache.stride(0), cache.stride(1), cache.stride(2)};
+  TORCH_CHECK(cache.device().is_cpu() && cache.dim() == 4, "a KV cache must be 4-d, on the CPU");
+  TORCH_CHECK(cache.stride(3) == 1, "cache rows must be dense");
+  const KvFormat f = kv_format_of(cache);
+  const int64_t e = cache.element_size(), D = kv_values(f, cache.size(3) * e);
+  TORCH_CHECK(D > 0, "a ", cache.scalar_type(), " cache's rows of ", cache.size(3),
+              " elements hold no whole row of values");
+  return {static_cast<uint8_t*>(cache.data_ptr()), f, cache.size(0), cache.size(1),
+          cache.size(2), D, cache.stride(0) * e, cache.stride(1) * e, cache.stride(2) * e};
 }
 
 inline void check_paged(const at::Tensor& k_cache, const at::Tensor& v_cache,
-                 const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t Hq,
-                 int64_t Dk) {
-  check_f32(k_cache, "k_cache");
-  check_f32(v_cache, "v_cache");
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t Hq,
+                        int64_t Dk) {
+  const CacheRows k = rows_of(k_cache), v = rows_of(v_cache);
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(),
+              "the key and value caches must have one dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block tables and lengths must be int32");
   TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(),
               "block tables and lengths must be contiguous");
-  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "cache rows must be dense");
-  TORCH_CHECK(Hq % k_cache.size(2) == 0 && k_cache.size(3) == Dk,
+  TORCH_CHECK(Hq % k.heads == 0 && v.heads == k.heads && k.dim == Dk,
               "head shapes do not match the cache");
+  // MLA's values are a prefix of its key rows: rotated as rows of their own only so.
+  TORCH_CHECK(k.format != KvFormat::I4 || hadamard_block(k.dim) == hadamard_block(v.dim),
+              "int4 key and value rows must have the same rotation blocks");
 }
 
 // Caches checked by check_paged, read through block_tables.
 inline CacheView view_of(const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& block_tables, int64_t window) {
+                         const at::Tensor& block_tables, int64_t window) {
   return {rows_of(k_cache), rows_of(v_cache), block_tables.data_ptr<int32_t>(),
           block_tables.size(1), window};
 }

@@ -40,6 +40,42 @@ KVSERVE_INLINE mask8 first_lanes(int64_t n) {
 }
 KVSERVE_INLINE void store8_masked(float* p, mask8 m, vec8 v) { _mm256_maskstore_ps(p, m, v); }
 
+// Eight stored values of a KV-cache row (kv_format.h) as floats: float16, bfloat16 (the top
+// half of a float32), int8, and float8 e4m3 (divided by 256: each byte's sign, exponent and
+// mantissa moved into a float16's, whose exponent bias is 8 more).
+KVSERVE_INLINE vec8 load8_f16(const void* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+}
+KVSERVE_INLINE vec8 load8_bf16(const void* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+KVSERVE_INLINE vec8 load8_i8(const void* p) {
+  const __m128i b = _mm_loadl_epi64(static_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+KVSERVE_INLINE vec8 load8_e4m3_over_256(const void* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(static_cast<const __m128i*>(p)));
+  const __m128i magnitude = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7);
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+  return _mm256_cvtph_ps(_mm_or_si128(magnitude, sign));
+}
+// The 32 values q - 8 of 16 bytes of nibbles (byte j: q_j low, q_{j+16} high), in order.
+KVSERVE_INLINE void load32_nibbles_minus8(const void* p, vec8* out) {
+  const __m128i b = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  const __m128i low = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+  const __m128i lo = _mm_sub_epi8(_mm_and_si128(b, low), eight);
+  const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), low), eight);
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+  out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+  out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+}
+// Eight floats as float16, rounded to nearest even.
+KVSERVE_INLINE void store8_f16(void* p, vec8 v) {
+  _mm_storeu_si128(static_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
 // Requests the cache line of p into L1 (for the next few hundred cycles) or L2 (further ahead).
 KVSERVE_INLINE void prefetch_l1(const float* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);

@@ -1,0 +1,115 @@
+#include "kv_format.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace kvserve {
+namespace {
+
+// v as computed, never fused with the operation that follows: the reference rounds each of
+// its operations (x * inv, then + 8.5), so a fused multiply-add would round differently.
+KVSERVE_INLINE float rounded(float v) {
+  asm("" : "+x"(v));
+  return v;
+}
+
+// x [n] <- the normalized Sylvester Hadamard matrix of order n (a power of two) times x.
+void walsh_hadamard(float* x, int64_t n) {
+  for (int64_t h = 1; h < n; h *= 2)
+    for (int64_t i = 0; i < n; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b, x[j + h] = a - b;
+      }
+  const float norm = static_cast<float>(1.0 / std::sqrt(static_cast<double>(n)));
+  for (int64_t j = 0; j < n; ++j) x[j] *= norm;
+}
+
+float largest_magnitude(const float* x, int64_t D) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(x[i]));
+  return amax;
+}
+
+// I8 and FP8: the row's scale amax / top, then each x * (top / amax) as `cast` stores it.
+// (torch computes top / amax as reciprocal(amax) * top, which rounds twice.)
+template <class Cast>
+void store_scaled(const float* x, int64_t D, float top, uint8_t* row, Cast cast) {
+  const float amax = largest_magnitude(x, D);
+  const float inv = amax > 0.f ? (1.f / amax) * top : 0.f;
+  const float scale = amax / top;
+  std::memcpy(row, &scale, KV_SCALE_BYTES);
+  for (int64_t i = 0; i < D; ++i) row[KV_SCALE_BYTES + i] = cast(x[i] * inv);
+}
+
+// One group of 32 rotated values as Q4_0: d = the value of largest magnitude (the first such)
+// over -8, q = min(15, floor(x / d + 8.5)) with 1 / d taken from the float32 d.
+void store_group(const float* g, uint8_t* out) {
+  int64_t top = 0;
+  for (int64_t j = 1; j < KV_GROUP; ++j)
+    if (std::fabs(g[j]) > std::fabs(g[top])) top = j;
+  const float d = g[top] / -8.f;
+  const float inv = d != 0.f ? 1.f / d : 0.f;
+  uint8_t q[KV_GROUP];
+  for (int64_t j = 0; j < KV_GROUP; ++j)
+    q[j] = static_cast<uint8_t>(std::min(15.f, std::floor(rounded(g[j] * inv) + 8.5f)));
+  const uint16_t half = c10::Half(d).x;
+  std::memcpy(out, &half, 2);
+  for (int64_t j = 0; j < KV_GROUP / 2; ++j)
+    out[2 + j] = static_cast<uint8_t>(q[j] | (q[j + KV_GROUP / 2] << 4));
+}
+
+void store_int4(const float* x, int64_t D, uint8_t* row) {
+  const int64_t n = hadamard_block(D);
+  float block[64];
+  for (int64_t b = 0; b < D; b += n) {
+    std::copy_n(x + b, n, block);
+    walsh_hadamard(block, n);
+    for (int64_t g = 0; g < n; g += KV_GROUP, row += KV_GROUP_BYTES) store_group(block + g, row);
+  }
+}
+
+}  // namespace
+
+void hadamard(float* x, int64_t D) {
+  const int64_t n = hadamard_block(D);
+  for (int64_t b = 0; b < D; b += n) walsh_hadamard(x + b, n);
+}
+
+void store_row(KvFormat f, const float* x, int64_t D, uint8_t* row) {
+  switch (f) {
+    case KvFormat::F32: std::memcpy(row, x, 4 * D); return;
+    case KvFormat::F16: {
+      int64_t d = 0;
+      for (; d + 8 <= D; d += 8) store8_f16(row + 2 * d, load8(x + d));
+      for (; d < D; ++d) {
+        const uint16_t h = c10::Half(x[d]).x;
+        std::memcpy(row + 2 * d, &h, 2);
+      }
+      return;
+    }
+    case KvFormat::BF16:
+      for (int64_t d = 0; d < D; ++d) {
+        const uint16_t h = c10::BFloat16(x[d]).x;
+        std::memcpy(row + 2 * d, &h, 2);
+      }
+      return;
+    case KvFormat::I8:
+      store_scaled(x, D, 127.f, row, [](float v) {
+        return static_cast<uint8_t>(static_cast<int8_t>(std::clamp(std::nearbyint(v), -127.f, 127.f)));
+      });
+      return;
+    case KvFormat::FP8:
+      store_scaled(x, D, 448.f, row, [](float v) {
+        return c10::Float8_e4m3fn(std::clamp(v, -448.f, 448.f)).x;
+      });
+      return;
+    case KvFormat::I4: store_int4(x, D, row); return;
+  }
+}
+
+}  // namespace kvserve
