@@ -216,6 +216,19 @@ class Reference:
     result: QualityResult
     positions: range
     logprobs: torch.Tensor  # [len(positions), vocab] float32
+    args: EngineArgs  # the run's settings
+
+    def repeats(self, args: EngineArgs) -> bool:
+        """Whether reading the text in one context with ``args`` is the reference run again."""
+        same = dataclasses.replace(args, kv_cache_dtype=REFERENCE_KV) == self.args
+        return same and args.runner_config().kv_dtype == REFERENCE_KV
+
+    def twin(self, policy: Policy, limit: int) -> QualityResult:
+        """The reference's own scores under another label: no divergence at its positions."""
+        kld, top1 = (np.full(len(self.result.logprobs), np.nan) for _ in range(2))
+        rows = slice(self.positions.start - 1, self.positions.stop - 1)
+        kld[rows], top1[rows] = 0.0, 1.0
+        return QualityResult(policy, self.result.logprobs, limit, self.result.kv_dtype, kld, top1)
 
 
 def kl_rows(ref: torch.Tensor, logq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -494,13 +507,28 @@ def score(
         del llm
     for policy in policies:
         if policy.overflow is None:
-            s = sink()
-            llm = engine_for(base, len(tokens) + 1, 1)
-            (full,) = _generate(llm, [_full_request(tokens)], s and [s], bar)
-            results[policy] = _result(policy, logprobs_of_prompt(full), limit, llm, s)
-            del llm
+            results[policy] = _score_full(base, tokens, policy, limit, reference, bar)
     bar.close()
     return [results[p] for p in policies]
+
+
+def _score_full(
+    base: EngineArgs,
+    tokens: Sequence[int],
+    policy: Policy,
+    limit: int,
+    reference: Reference | None,
+    bar: tqdm,
+) -> QualityResult:
+    """The whole text in one context (the reference's own scores where this would repeat its
+    run: the same rows again, a whole pass saved)."""
+    if reference is not None and reference.repeats(base):
+        bar.update(len(tokens) - 1)
+        return reference.twin(policy, limit)
+    sink = None if reference is None else RowSink(tokens, reference.positions, reference)
+    llm = engine_for(base, len(tokens) + 1, 1)
+    (full,) = _generate(llm, [_full_request(tokens)], sink and [sink], bar)
+    return _result(policy, logprobs_of_prompt(full), limit, llm, sink)
 
 
 def _full_request(tokens: Sequence[int]) -> tuple[list[int], SamplingParams]:
@@ -521,13 +549,14 @@ def reference_run(
     reference, with its rows at ``positions`` (default all, 1 to len(tokens) - 1) kept."""
     positions = range(1, len(tokens)) if positions is None else positions
     keep = RowSink(tokens, positions, keep=True)
-    llm = engine_for(dataclasses.replace(base, kv_cache_dtype=REFERENCE_KV), len(tokens) + 1, 1)
+    args = dataclasses.replace(base, kv_cache_dtype=REFERENCE_KV)
+    llm = engine_for(args, len(tokens) + 1, 1)
     bar = tqdm(total=len(tokens) - 1, disable=not show_progress, unit="tok", desc="reference")
     (full,) = _generate(llm, [_full_request(tokens)], [keep], bar)
     bar.close()
     result = _result(Policy("full context", None), logprobs_of_prompt(full), len(tokens), llm, None)
     keep.check(result.logprobs)
-    return Reference(result, positions, keep.kept)
+    return Reference(result, positions, keep.kept, args)
 
 
 def score_kv_dtypes(

@@ -787,7 +787,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted([*OBJECTIVES, "quality"]),
         help="what the best point maximizes or minimizes (default: goodput with --slo, else "
         "throughput, in output tokens/s); quality: the perplexity of --text under each context "
-        "policy (with --sweep, also each point's throughput)",
+        "policy, and each next-token distribution's KL divergence and top-1 agreement against "
+        "the float32-KV full-context run (--sweep kv_cache_dtype=float32,int8,int4: the grid "
+        "under each KV dtype; another --sweep: each point's own policy beside its throughput)",
     )
     t.add_argument(
         "--max-points",
@@ -828,7 +830,9 @@ def add_quality_arguments(p: argparse.ArgumentParser) -> None:
         "--text-tokens",
         type=int,
         metavar="N",
-        help="score the first N tokens of the text (default: 4 x --max-model-len)",
+        help="score the first N tokens of the text (default: 4 x --max-model-len); the "
+        "float32-KV reference keeps a float32 row of the vocabulary per token in host memory "
+        "(0.6 GB per 1000 tokens of a 152k vocabulary)",
     )
     q.add_argument(
         "--n-keep",
@@ -957,13 +961,20 @@ def main(argv: list[str]) -> int:
 
 
 def quality_main(args: argparse.Namespace) -> int:
-    """``--objective quality``: the policy grid scored over the text, or with ``--sweep`` each
-    point's own policy scored beside its throughput."""
+    """``--objective quality``: the policy grid scored over the text (under each KV cache dtype
+    with ``--sweep kv_cache_dtype=...``), or with any other ``--sweep`` each point's own policy
+    scored beside its throughput; KLD and top-1 agreement against the float32-KV full-context
+    run of the text throughout."""
     if not args.text or not args.max_model_len:
         print("kvserve tune: --objective quality needs --text and --max-model-len", file=sys.stderr)
         return 2
     quiet_logs(args.verbose)
     base = from_cli_args(args)
+    try:
+        kv_dtypes = kv_dtype_sweep(base, [parse_sweep(t, engine_fields()) for t in args.sweep])
+    except ValueError as e:
+        print(f"kvserve tune: {e}", file=sys.stderr)
+        return 2
     tokenizer = Tokenizer.from_dir(resolve_model(base.model))
     tokens = tokenizer.encode(quality.load_text(args.text))
     tokens = tokens[: args.text_tokens or 4 * base.max_model_len]
@@ -971,14 +982,30 @@ def quality_main(args: argparse.Namespace) -> int:
         base.max_model_len,
         quality.describe(base.model, len(tokens), base.max_model_len, args.chunk, base.block_size),
     )
-    reference = quality.Policy("full context", None)
-    if not args.sweep:
-        policies = [reference, *quality.policy_grid(args.n_keep, args.n_discard)]
-        results = quality.score(base, tokens, policies, limit, args.chunk, show_progress=True)
-        print(f"{description}\n\n{quality.markdown_table(results)}")
-        for path in quality.write_report(results, description, limit, args.out):
-            print(f"wrote {path}", file=sys.stderr)
-        return 0
+    if args.sweep and kv_dtypes is None:
+        return quality_sweep(args, base, tokens, description)
+    policies = [quality.Policy("full context", None)]
+    policies += quality.policy_grid(args.n_keep, args.n_discard)
+    results = quality.score_kv_dtypes(
+        base, tokens, kv_dtypes or [base.kv_cache_dtype], policies, limit, args.chunk, True
+    )
+    print(f"{description}\n\n{quality.markdown_table(results)}")
+    for path in quality.write_report(results, description, limit, args.out):
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def kv_dtype_sweep(base: EngineArgs, sweeps: Sequence[Sweep]) -> list[str] | None:
+    """The KV cache dtypes of a sweep of kv_cache_dtype alone (checked); None for any other."""
+    if len(sweeps) != 1 or sweeps[0].name != "kv_cache_dtype":
+        return None
+    return [args.kv_cache_dtype for _, args in sweep_points(base, sweeps)]
+
+
+def quality_sweep(
+    args: argparse.Namespace, base: EngineArgs, tokens: list[int], description: str
+) -> int:
+    """The throughput sweep, then each point's own policy (and KV dtype) scored over the text."""
     try:
         plan = plan_from_args(args)
     except (ValueError, BenchError) as e:
@@ -987,7 +1014,10 @@ def quality_main(args: argparse.Namespace) -> int:
     done = run_sweep(
         plan.points, plan.workload, args.warmup, lambda line: print(line, file=sys.stderr)
     )
-    full = quality.score(base, tokens, [reference], limit, args.chunk)[0]
+    reference = quality.reference_run(base, tokens)
+    full_context = quality.Policy("full context", None)
+    limit = base.max_model_len
+    full = quality.score(base, tokens, [full_context], limit, args.chunk, reference=reference)[0]
     rows = []
     for p in done:
         overflow = p.engine_args.default_overflow()
@@ -995,7 +1025,9 @@ def quality_main(args: argparse.Namespace) -> int:
         if overflow.policy in ("truncate", "shift", "sink"):
             policy = quality.Policy(format_settings(p.settings), overflow)
             lim = p.engine_args.max_model_len
-            result = quality.score(p.engine_args, tokens, [policy], lim, args.chunk, True)[0]
+            (result,) = quality.score(
+                p.engine_args, tokens, [policy], lim, args.chunk, True, reference
+            )
         rows.append((p, result))
     table = combined_table(rows, full)
     print(f"{description}\n\n{table}")
@@ -1007,21 +1039,34 @@ def quality_main(args: argparse.Namespace) -> int:
 
 
 def combined_table(rows: Sequence[tuple[PointResult, Any]], full: Any) -> str:
-    """Throughput and latency beside perplexity, one line per point of a quality sweep."""
+    """Throughput and latency beside perplexity, KLD and top-1 agreement (against the
+    float32-KV full context), one line per point of a quality sweep."""
     lines = [
-        "| # | settings | output tok/s | p99 TTFT ms | perplexity | after overflow |",
-        "|---|---|---|---|---|---|",
-        f"| - | full context | - | - | {full.ppl:.2f} | {full.ppl_after:.2f} |",
+        "| # | settings | output tok/s | p99 TTFT ms | perplexity | after overflow | mean KLD | "
+        "top-1 % | mean KLD after overflow | top-1 % after overflow |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        "| - | full context | - | - | " + " | ".join(_quality_cells(full)) + " |",
     ]
     for p, r in rows:
         m = p.metrics
-        quality_cells = (f"{r.ppl:.2f}", f"{r.ppl_after:.2f}") if r else ("-", "-")
         lines.append(
             f"| {p.index} | {format_settings(p.settings)} | "
             f"{_fmt(m and m.output_throughput, '.1f')} | {_fmt(m and m.p99_ttft_ms, '.0f')} | "
-            f"{quality_cells[0]} | {quality_cells[1]} |"
+            + " | ".join(_quality_cells(r))
+            + " |"
         )
     return "\n".join(lines)
+
+
+def _quality_cells(r: quality.QualityResult | None) -> list[str]:
+    if r is None:
+        return ["-"] * 6
+    return [
+        f"{r.ppl:.2f}",
+        f"{r.ppl_after:.2f}",
+        *quality.divergence_cells(r.divergence()),
+        *quality.divergence_cells(r.divergence_after),
+    ]
 
 
 if __name__ == "__main__":

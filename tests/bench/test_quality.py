@@ -1,13 +1,19 @@
 """Perplexity under a context policy: the teacher-forced scores against plain transformers
-forwards over the context each policy leaves visible, scoring against serving, and the
-``kvserve tune --objective quality`` report."""
+forwards over the context each policy leaves visible, scoring against serving; the KL
+divergence and top-1 agreement of each row against the float32-KV full-context run, against
+the API's whole distributions; and the ``kvserve tune --objective quality`` report."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+import shutil
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from bench import quality, tune
 from engine import LLM, SamplingParams
@@ -22,6 +28,8 @@ VOCAB = 256
 LIMIT = 64
 BLOCK = 8
 CHUNK = 16
+# The API returns 20 logprobs at most: over a vocabulary of 20 they are the whole distribution.
+SMALL_VOCAB = 20
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +176,12 @@ def test_the_command_writes_its_table_and_plot(smollm2_dir, tmp_path):
     assert all(len(r["logprobs"]) == 159 for r in data["results"])
     full = data["results"][0]
     assert 1 < full["perplexity"] < 1000
+    # The float32 CPU run is the reference's twin; every policy matches it until overflow.
+    assert full["kv_cache_dtype"] == "float32"
+    assert full["divergence"]["kld_max"] == 0 and full["divergence"]["top1"] == 1
+    for r in data["results"]:
+        assert max(r["kld"][:63]) < 1e-6 and all(r["top1"][:63]), r["policy"]
+        assert r["divergence"]["rows"] == 159
     assert (out / "quality.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -191,3 +205,181 @@ def test_a_sweep_puts_each_points_perplexity_beside_its_throughput(smollm2_dir, 
     assert all(1 < v < 1000 for v in ppl)
     assert float(sink.split("|")[3]) > 0  # output tok/s measured for the same point
     assert error.split("|")[5].strip() == "-"  # error never goes past the context
+
+
+# --- KL divergence and top-1 agreement against the float32-KV full context -----------------
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """Heads of 32 values (int4 quantizes groups of 32), a vocabulary the API's logprobs cover."""
+    path = tmp_path_factory.mktemp("wide-llama")
+    model = save_tiny_llama(
+        path, hidden_size=128, vocab_size=SMALL_VOCAB, max_position_embeddings=512
+    )
+    return path, model
+
+
+def whole_distributions(records) -> torch.Tensor:
+    """[n, vocab] logprobs from the API's records, whose top lists hold every token."""
+    rows = torch.full((len(records), SMALL_VOCAB), math.nan, dtype=torch.float64)
+    for i, record in enumerate(records):
+        for token, logprob in record.top:
+            rows[i, token] = logprob
+    assert not rows.isnan().any()
+    return rows
+
+
+def api_rows(path, tokens: list[int], kv: str) -> torch.Tensor:
+    """The whole next-token distributions of tokens[1:], read in one context, from the API."""
+    llm = LLM(str(path), dtype="float32", device="cpu", block_size=BLOCK, kv_cache_dtype=kv,
+              max_model_len=len(tokens) + 1)  # fmt: skip
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=SMALL_VOCAB)
+    (out,) = llm.generate([tokens], params)
+    return whole_distributions(out.prompt_logprobs[1:])
+
+
+def kl(ref: torch.Tensor, logq: torch.Tensor) -> np.ndarray:
+    """KL(P_ref || Q) per row, by torch's own KL divergence."""
+    return F.kl_div(logq, ref, log_target=True, reduction="none").sum(-1).numpy()
+
+
+def test_a_kv_dtype_costs_what_the_apis_whole_distributions_say(wide):
+    """float32 against itself costs nothing; int8 and int4 cost a positive, finite KLD, int4
+    more; every figure equals one computed from the API's logprobs of plain engines, whose
+    float32 run is a transformers forward over the text."""
+    path, model = wide
+    tokens = random_prompt(160, SMALL_VOCAB, seed=5)
+    costs = quality.kv_dtype_costs(base_args(path), tokens, ["float32", "int8", "int4"])
+    f32, i8, i4 = costs["float32"], costs["int8"], costs["int4"]
+    assert (f32.kld_mean, f32.kld_p99, f32.top1, f32.rows) == (0.0, 0.0, 1.0, 159)
+    assert 0 < i8.kld_mean < i4.kld_mean < math.inf
+    assert i8.kld_p99 >= i8.kld_mean and i4.kld_p99 >= i4.kld_mean
+
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0, :-1].double()
+    reference = api_rows(path, tokens, "float32")
+    torch.testing.assert_close(reference, torch.log_softmax(logits, -1), atol=2e-4, rtol=0)
+    for cost in costs.values():
+        rows = api_rows(path, tokens, cost.kv_cache_dtype)
+        kld = kl(reference, rows)
+        assert cost.kld_mean == pytest.approx(kld.mean(), rel=1e-4, abs=1e-9)
+        assert cost.kld_p99 == pytest.approx(np.percentile(kld, 99), rel=1e-4, abs=1e-9)
+        agree = (reference.argmax(-1) == rows.argmax(-1)).double().mean().item()
+        assert cost.top1 == pytest.approx(agree)
+        nll = -rows.gather(1, torch.tensor(tokens[1:])[:, None]).mean().item()
+        assert cost.perplexity == pytest.approx(math.exp(nll), rel=1e-5)
+
+
+def test_costs_over_a_range_of_rows_count_those_rows_only(wide):
+    path, _ = wide
+    tokens = random_prompt(128, SMALL_VOCAB, seed=7)
+    rows = range(65, 128)  # llama-perplexity's half of a context of 128
+    (cost,) = quality.kv_dtype_costs(base_args(path), tokens, ["int8"], rows).values()
+    kld = kl(api_rows(path, tokens, "float32"), api_rows(path, tokens, "int8"))[64:]
+    assert cost.rows == 63
+    assert cost.kld_mean == pytest.approx(kld.mean(), rel=1e-4, abs=1e-9)
+
+
+def test_each_rows_kld_under_a_policy_is_the_apis(wide):
+    """Row by row, under shift (its forced rows after each shift) and truncate (its resent
+    requests), with an int8 cache: the KLD and top-1 agreement from the rows taken inside the
+    engine equal those of the same requests' whole distributions from the API."""
+    path, _ = wide
+    tokens = random_prompt(3 * LIMIT, SMALL_VOCAB, seed=6)
+    base = base_args(path)
+    reference = quality.reference_run(base, tokens)
+    int8 = dataclasses.replace(base, kv_cache_dtype="int8")
+    policies = [
+        quality.Policy("shift", ContextOverflow("shift", 8, 16)),
+        quality.Policy("truncate", ContextOverflow("truncate", 4)),
+    ]
+    results = quality.score(int8, tokens, policies, LIMIT, CHUNK, reference=reference)
+
+    requests = [quality.score_requests(tokens, p.overflow, LIMIT, CHUNK) for p in policies]
+    flat = [r for reqs in requests for r in reqs]
+    llm = quality.engine_for(int8, LIMIT, len(flat))
+    whole = [
+        dataclasses.replace(
+            s,
+            logprobs=SMALL_VOCAB,
+            prompt_logprobs=None if s.prompt_logprobs is None else SMALL_VOCAB,
+        )
+        for _, s in flat
+    ]
+    outputs = iter(llm.generate([p for p, _ in flat], whole))
+    ref = api_rows(path, tokens, "float32")
+    for result, reqs in zip(results, requests):
+        records = []
+        for out in [next(outputs) for _ in reqs]:
+            records += (out.prompt_logprobs or [None])[1:] + out.outputs[0].logprobs
+        rows = whole_distributions(records)
+        np.testing.assert_allclose(result.kld, kl(ref, rows), rtol=1e-4, atol=1e-9)
+        agree = (ref.argmax(-1) == rows.argmax(-1)).double().numpy()
+        np.testing.assert_array_equal(result.top1, agree)
+        assert result.divergence_after.kld_mean > 10 * result.divergence(1, LIMIT).kld_mean
+
+
+def test_a_float32_policy_differs_from_the_reference_only_after_overflow(wide):
+    path, _ = wide
+    tokens = random_prompt(2 * LIMIT, SMALL_VOCAB, seed=8)
+    base = base_args(path)
+    reference = quality.reference_run(base, tokens)
+    policies = [quality.Policy("full", None), quality.Policy("sink", ContextOverflow("sink", 8))]
+    full, sink = quality.score(base, tokens, policies, LIMIT, CHUNK, reference=reference)
+    assert full.divergence().kld_max == 0 and full.divergence().top1 == 1
+    before = sink.divergence(1, LIMIT)
+    assert before.kld_max < 1e-5 and before.top1 == 1  # float32 rounding, batched otherwise
+    assert sink.divergence_after.kld_mean > 1e-3
+
+
+def test_rows_outside_the_text_are_refused(wide):
+    path, _ = wide
+    tokens = random_prompt(32, SMALL_VOCAB, seed=9)
+    for rows in (range(0, 10), range(5, 40), range(1, 10, 2)):
+        with pytest.raises(ValueError, match="rows"):
+            quality.kv_dtype_costs(base_args(path), tokens, ["int8"], rows)
+
+
+@pytest.fixture(scope="module")
+def worded(tmp_path_factory, smollm2_dir):
+    """A tiny random Llama with SmolLM2's tokenizer (and its vocabulary): the command reads text."""
+    path = tmp_path_factory.mktemp("worded-llama")
+    save_tiny_llama(path, hidden_size=128, vocab_size=49152, max_position_embeddings=512)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, path / name)
+    return path
+
+
+def test_a_kv_dtype_sweep_puts_every_dtype_and_policy_in_one_table(worded, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text(
+        " ".join(f"Stanza {i}: the owl and the pussycat went to sea." for i in range(30))
+    )
+    out = tmp_path / "out"
+    code = tune.main([
+        "--model", str(worded), "--objective", "quality", "--text", str(text),
+        "--max-model-len", "64", "--text-tokens", "128", "--chunk", "16", "--block-size", "8",
+        "--n-keep", "4", "--sweep", "kv_cache_dtype=float32,int8,int4", "--out", str(out),
+    ])  # fmt: skip
+    assert code == 0
+    lines = (out / "quality.md").read_text().splitlines()
+    head = next(line for line in lines if line.startswith("| KV cache"))
+    columns = [c.strip() for c in head.strip("|").split("|")]
+    assert columns[5:] == ["mean KLD", "p99 KLD", "top-1 %", "mean KLD after overflow",
+                           "top-1 % after overflow"]  # fmt: skip
+    table = {}
+    for line in lines[lines.index(head) + 2 :]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        table[cells[0], cells[1]] = dict(zip(columns, cells))
+    policies = ["full context", "truncate n_keep=4", "shift n_keep=4", "sink n_keep=4"]
+    assert list(table) == [(kv, p) for kv in ("float32", "int8", "int4") for p in policies]
+    assert table["float32", "full context"]["mean KLD"] == "0"
+    assert table["float32", "full context"]["top-1 %"] == "100.00"
+    klds = [float(table[kv, "full context"]["mean KLD"]) for kv in ("int8", "int4")]
+    assert 0 < klds[0] < klds[1]
+    data = json.loads((out / "quality.json").read_text())
+    assert [r["kv_cache_dtype"] for r in data["results"]] == [kv for kv, _ in table]
+    int4 = data["results"][8]["divergence"]
+    assert int4["rows"] == 127 and int4["kld_mean"] == pytest.approx(klds[1], rel=1e-2)
+    assert (out / "quality.png").read_bytes()[:4] == b"\x89PNG"

@@ -188,6 +188,23 @@ def test_cli_refuses_bad_plans_with_usage_status(argv, error, capsys):
     assert error in capsys.readouterr().err
 
 
+def test_a_quality_sweep_of_kv_dtypes_alone_scores_the_grid_under_each():
+    (kv,) = [parse_sweep("kv-cache-dtype=float32,int8,int4", FIELDS)]
+    assert tune.kv_dtype_sweep(BASE, [kv]) == ["float32", "int8", "int4"]
+    other = parse_sweep("max_num_seqs=1,2", FIELDS)
+    assert tune.kv_dtype_sweep(BASE, [kv, other]) is None  # the throughput sweep
+    assert tune.kv_dtype_sweep(BASE, [other]) is None
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        tune.kv_dtype_sweep(BASE, [parse_sweep("kv_cache_dtype=float32,int9", FIELDS)])
+
+
+def test_a_quality_sweep_refuses_an_unknown_kv_dtype_before_loading_a_model(capsys):
+    argv = ["--model", "no-such-model", "--objective", "quality", "--text", "alice",
+            "--max-model-len", "64", "--sweep", "kv_cache_dtype=float32,int9"]  # fmt: skip
+    assert main(argv) == 2
+    assert "kv_cache_dtype" in capsys.readouterr().err
+
+
 def test_default_grid_limit_is_sixteen_points(capsys):
     argv = cli("--sweep", "max_num_seqs=1,2,3,4,5,6,7,8,9", "--sweep", "block_size=8,16")
     assert main(argv) == 2
