@@ -168,7 +168,7 @@ def _write_quantized_kernel(
             tl.where(j + _QGROUP // 2 == first, hi, 0.0), 1
         )
         d = top / -8.0
-        inv = tl.where(d != 0.0, 1.0 / d, 0.0)[:, None]
+        inv = tl.where(d != 0.0, 1.0 / tl.where(d != 0.0, d, 1.0), 0.0)[:, None]
         q_lo = tl.minimum(tl.floor(lo * inv + 8.5), 15.0).to(tl.uint8)
         q_hi = tl.minimum(tl.floor(hi * inv + 8.5), 15.0).to(tl.uint8)
         group = dst + g[:, None] * _QGROUP_BYTES
@@ -185,7 +185,8 @@ def _write_quantized_kernel(
             top = 127.0
         else:
             top = _FP8_MAX
-        y = x * tl.where(amax > 0.0, top / amax, 0.0)
+        # torch divides a number by a tensor as the tensor's reciprocal times the number.
+        y = x * tl.where(amax > 0.0, (1.0 / tl.where(amax > 0.0, amax, 1.0)) * top, 0.0)
         if KV == _INT8:
             q = tl.minimum(tl.maximum(_round_half_even(y), -127.0), 127.0)
             q = q.to(tl.int8).to(tl.uint8, bitcast=True)
