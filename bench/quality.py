@@ -243,7 +243,7 @@ class RowSink:
     """Takes one run's rows of logits as the engine computes them (``tap_rows``) and keeps,
     per predicted position of ``positions``, only numbers: its token's logprob (to check the
     rows against the engine's own logprobs), and against ``reference`` the row's KLD and
-    top-1 agreement. With ``keep`` (the reference run) it keeps the rows themselves instead:
+    top-1 agreement. With ``keep`` (the reference run) it keeps the rows themselves too:
     float32 log-softmax rows on the host, 4 bytes per vocabulary entry, so 1.2 GB for 2000
     rows of a 152k vocabulary (Qwen2.5): a few thousand rows at most."""
 
@@ -405,7 +405,10 @@ def _feed(entries: Sequence[tuple[Sink | None, int]], logits: torch.Tensor) -> N
     sinks = {id(s): s for s, _ in entries if s is not None}
     for key, sink in sinks.items():
         rows = [i for i, (s, _) in enumerate(entries) if id(s) == key]
-        sink([entries[i][1] for i in rows], logits[torch.tensor(rows, device=logits.device)])
+        mine = logits  # all the rows: no copy of a slice of logits
+        if len(rows) < len(entries):
+            mine = logits[torch.tensor(rows, device=logits.device)]
+        sink([entries[i][1] for i in rows], mine)
 
 
 @contextlib.contextmanager
