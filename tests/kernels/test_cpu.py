@@ -117,7 +117,7 @@ def test_write_cache_matches_reference_and_skips_minus_one():
         cpu.write_cache(cache, rows[:1], torch.tensor([32]))
 
 
-def test_cpu_backend_falls_back_to_the_reference_for_other_dtypes():
+def test_cpu_backend_decodes_other_query_and_cache_dtypes():
     backend = get_backend("cpu", torch.device("cpu"))
     k_cache, v_cache, tables, seq_lens = _paged([9, 3], 4, 2, 32, 0, seed=5)
     q = torch.randn(2, 4, 32)
