@@ -53,7 +53,7 @@ struct LayerInputs {
 };
 
 // y [T, hidden] = the layers of x [T, hidden], on torch's threads; the layers' caches get the
-// new tokens' keys and values.
+// new tokens' keys and values, in their formats.
 void decoder_layers(const float* x, int64_t T, int64_t hidden,
                     const std::vector<LayerInputs>& layers, const LayerConstants& constants,
                     float* y);
