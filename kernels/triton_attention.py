@@ -854,7 +854,12 @@ def _dims(dk: int, dv: int) -> dict:
 
 
 def decode_tile(
-    dtype: torch.dtype, dk: int, group: int, block_size: int = 16, window: int = 0
+    dtype: torch.dtype,
+    dk: int,
+    group: int,
+    block_size: int = 16,
+    window: int = 0,
+    quantized: bool = False,
 ) -> Tile:
     """Default decode tile, from ``python -m bench.kernel_speed --sweep`` on an H100 (bf16;
     bench/results/), then held within shared memory and free of register spills on sm_90 and
@@ -869,10 +874,18 @@ def decode_tile(
     tile takes ~250 of a thread's 255 registers (its fp32 accumulator alone is 64 x 512 over
     256 threads): it fits only where a step's 16 keys lie in one cache block, whose table
     entry is then one scalar (``block_size`` a multiple of 16, no window ring); elsewhere, and
-    in fp32, 32 heads."""
+    in fp32, 32 heads.
+
+    A ``quantized`` cache's tiles are converted in registers (``dtype`` is then the model's):
+    from 256 wide on they take 8 warps (head dim 256 on 4 spills on both targets), MLA's 32
+    heads and 16 keys a step (64 heads spill hundreds of bytes)."""
     rows, width = min(_pow2(group), 64), _pow2(dk)
     if dtype == torch.float32:
         return Tile(min(rows, 32), 32 if width <= 128 else 16, 4 if width <= 64 else 8, 3)
+    if quantized and width > 256:
+        return Tile(min(rows, 32), 16, 8, 3)
+    if quantized and width == 256:
+        return Tile(rows, 32, 8, 3)
     if width > 256:
         if rows > 32 and block_size % 16 == 0 and window == 0:
             return Tile(rows, 16, 8, 3)
@@ -880,7 +893,9 @@ def decode_tile(
     return Tile(rows, 64 if width <= 128 else 32, 4, 3)
 
 
-def prefill_tile(dtype: torch.dtype, dk: int, dv: int, group: int = 1) -> Tile:
+def prefill_tile(
+    dtype: torch.dtype, dk: int, dv: int, group: int = 1, quantized: bool = False
+) -> Tile:
     """Default prefill tile, sized by the ahead-of-time compile of
     ``tests/kernels/test_kernel_variants.py`` for sm_90 and sm_80: within shared memory, no
     register spills. Head dim 256 takes smaller tiles than its neighbours (16 fp32 rows; 16
@@ -893,12 +908,17 @@ def prefill_tile(dtype: torch.dtype, dk: int, dv: int, group: int = 1) -> Tile:
     row is read once per 64 heads (bench/results/mla-tiles-aot-2026-11-23.md); with fewer,
     32 rows: the heads of several queries (16 heads: 2 queries). A 64-row tile of several
     queries spills on sm_90 (its rows' positions and indices take the registers), and would
-    read each latent row as often as 64 heads of one query."""
+    read each latent row as often as 64 heads of one query.
+
+    Over a ``quantized`` cache MLA takes 16 rows, 32 keys a step: its tiles are converted in
+    registers, and wider ones spill on sm_90 (int4's most). Other widths keep their tiles."""
     width = max(_pow2(dk), _pow2(dv))
     if dtype == torch.float32:
         if width == 256:
             return Tile(16, 16, 4, 3)
         return Tile(32, 16, 4 if width <= 64 else 8, 3)
+    if quantized and width > 256:
+        return Tile(16, 32, 8, 3)
     if width <= 64:
         return Tile(64, 64, 4)
     if width <= 128:
@@ -1039,8 +1059,8 @@ def launch_plan(
     ``sms``: the multiprocessors to fill, by default ``device_sms`` of q's device."""
     num_kv_heads = k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
-    dtype = _dot_dtype(q, k_cache)
-    tile = tile or decode_tile(dtype, q.shape[-1], group, k_cache.shape[1], window)
+    dtype, quantized = _dot_dtype(q, k_cache), kv_quant.is_quantized(k_cache)
+    tile = tile or decode_tile(dtype, q.shape[-1], group, k_cache.shape[1], window, quantized)
     head_tiles = triton.cdiv(group, tile.rows)
     if num_splits is None:
         sms = device_sms(q.device) if sms is None else sms
@@ -1163,7 +1183,7 @@ def prefill_launches(
     group = num_heads // num_kv_heads
     dims = _dims(dk, dv)
     dtype = _dot_dtype(q, k_cache)
-    tile = tile or prefill_tile(dtype, dk, dv, group)
+    tile = tile or prefill_tile(dtype, dk, dv, group, kv_quant.is_quantized(k_cache))
     block_g = min(triton.next_power_of_2(group), tile.rows)
     block_q = tile.rows // block_g
     head_tiles = triton.cdiv(group, block_g)

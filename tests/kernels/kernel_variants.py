@@ -17,9 +17,13 @@ model (``QUANT_MODELS``: each matrix's parts and formats as its GGUF file stores
 own, which are then called on meta tensors of every step size; in their rows, ``group`` names
 the matrix part a launch reads and its format (``down:q6_k``), not a KV-cache group.
 
+A cache holds its model's dtype (``DTYPES``), or one of the quantized KV dtypes (``KV_DTYPES``:
+int8, fp8_e4m3, int4, laid out as ``kernels.kv_quant`` says) under a bf16 model; those steps
+are recorded for a model of each layout (``KV_MODELS``). A row's ``kv`` names its cache dtype.
+
 Run as a module, in a process without ``TRITON_INTERPRET`` (the kernels must be JIT functions):
 it prints one JSON document, ``{"skip": reason}`` or ``{"rows": [...]}`` with one row per
-(model, dtype, target, KV-cache group, kernel, variant).
+(model, dtype, KV dtype, target, KV-cache group, kernel, variant).
 """
 
 from __future__ import annotations
@@ -59,6 +63,11 @@ TARGETS = {
 }
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# Quantized KV dtypes, each compiled under a bf16 model of every layout: GQA with heads of 64
+# and 128 values, Gemma 3's window ring (256), DeepSeek's MLA latents (576, values their 512).
+KV_DTYPES = ("int8", "fp8_e4m3", "int4")
+KV_MODEL_DTYPE = "bf16"
+KV_MODELS = ("SmolLM2-135M", "Llama-3-8B", "Gemma-3-270M", "DeepSeek-V3")
 
 # The config.json fields of the published checkpoints that shape attention and the cache.
 MODELS = {
@@ -129,6 +138,11 @@ class Step:
         return len(self.decodes) + sum(n for _, n in self.prefills)
 
 
+def kv_name(dtype: torch.dtype) -> str:
+    """A float dtype's name as a KV dtype (``kernels.kv_quant.KV_DTYPES``)."""
+    return str(dtype).removeprefix("torch.")
+
+
 def model_config(name: str, **overrides):
     from models.config import ModelConfig
 
@@ -165,19 +179,26 @@ def _metadata(step: Step, width: int, window: int):
 def _layer_tensors(
     spec, num_heads: int, tokens: int, dtype: torch.dtype, block_size: int = BLOCK_SIZE
 ):
-    """The per-layer caches as ``kv_spec`` lays them out (two blocks: the block count changes
-    no stride), and q, k, v of ``tokens`` new tokens as the models hand them to attention."""
-    from models.kv_spec import MLASpec
+    """The per-layer caches as the model runner allocates them for ``kv_spec`` (in its dtype;
+    two blocks: the block count changes no stride), and q, k, v of ``tokens`` new tokens as
+    the models hand them to attention (in ``dtype``)."""
+    from kernels.kv_quant import KV_DTYPES as CACHE_DTYPES
+    from models.kv_spec import MLASpec, row_bytes
 
     new = dict(dtype=dtype, device="meta")
+    cache_dtype = CACHE_DTYPES[spec.dtype]
+
+    def row(dim: int) -> int:
+        return row_bytes(spec.dtype, dim) // cache_dtype.itemsize
+
     if isinstance(spec, MLASpec):
         dk, dv, heads = spec.row_width, spec.kv_lora_rank, 1
     else:
         dk, dv, heads = spec.head_dim, spec.head_dim, spec.num_kv_heads
-    k_cache = torch.empty(2, block_size, heads, dk, **new)
+    k_cache = torch.empty(2, block_size, heads, row(dk), dtype=cache_dtype, device="meta")
     k = torch.empty(tokens, heads, dk, **new)
     if isinstance(spec, MLASpec):
-        v_cache, v = k_cache[..., :dv], k[..., :dv]
+        v_cache, v = k_cache[..., : row(dv)], k[..., :dv]
     else:
         v_cache, v = torch.empty_like(k_cache), torch.empty(tokens, heads, dv, **new)
     return (k_cache, v_cache), (torch.empty(tokens, num_heads, dk, **new), k, v)
@@ -193,15 +214,17 @@ def _rope_layout(spec):
     return RopeLayout(torch.empty(spec.head_dim // 2))
 
 
-def record_launches(name: str, dtype: torch.dtype, sms: int) -> Iterator[tuple[int, object]]:
-    """(KV-cache group, launch) of every step of the model, through the serving code path."""
+def record_launches(
+    name: str, dtype: torch.dtype, sms: int, kv: str = ""
+) -> Iterator[tuple[int, object]]:
+    """(KV-cache group, launch) of every step of the model, through the serving code path, its
+    caches in the KV dtype ``kv`` ("": the model's)."""
     from kernels.backend import TritonBackend
     from kernels.paged import ForwardContext
     from models.loader import model_class
 
     cfg = model_config(name)
-    dtype_name = str(dtype).removeprefix("torch.")
-    groups = model_class(cfg).kv_cache_groups(cfg, dtype_name)
+    groups = model_class(cfg).kv_cache_groups(cfg, kv or kv_name(dtype))
     launches: list = []
     backend = TritonBackend(run=launches.append, sms=sms)
     for g, group in enumerate(groups):
@@ -397,40 +420,58 @@ def _variant_id(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:10]
 
 
+def _recordings(target: Target) -> Iterator[tuple[str, str, str, Iterator]]:
+    """(model, dtype, KV dtype, its launches) of every recorded configuration: the attention
+    models with caches in their own dtype and in each quantized one, the quantized models'
+    matrices (no cache: KV dtype "")."""
+    for model in (*MODELS, *QUANT_MODELS):
+        for dtype_name, dtype in DTYPES.items():
+            if model in MODELS:
+                yield model, dtype_name, kv_name(dtype), record_launches(model, dtype, target.sms)
+            else:
+                yield model, dtype_name, "", record_quant_launches(model, dtype)
+    dtype = DTYPES[KV_MODEL_DTYPE]
+    for model in KV_MODELS:
+        for kv in KV_DTYPES:
+            yield model, KV_MODEL_DTYPE, kv, record_launches(model, dtype, target.sms, kv)
+
+
 def collect(target_name: str) -> list[dict]:
-    """One row per (model, dtype, KV-cache group or quantized part, kernel, variant) for the
-    target, with its launch count and the compiled variant's resources."""
+    """One row per (model, dtype, KV dtype, KV-cache group or quantized part, kernel, variant)
+    for the target, with its launch count and the compiled variant's resources."""
     target = TARGETS[target_name]
     specializer = Specializer(target.capability)
     counts: dict[tuple, int] = {}
     variants: dict[str, Variant] = {}
-    for model in (*MODELS, *QUANT_MODELS):
-        for dtype_name, dtype in DTYPES.items():
-            if model in MODELS:
-                launches = record_launches(model, dtype, target.sms)
-            else:
-                launches = record_quant_launches(model, dtype)
-            for group, launch in launches:
-                variant = specializer.variant(launch)
-                row = (model, dtype_name, group, variant.kernel.__name__, variant.key)
-                counts[row] = counts.get(row, 0) + 1
-                variants[variant.key] = variant
+    for model, dtype_name, kv, launches in _recordings(target):
+        for group, launch in launches:
+            variant = specializer.variant(launch)
+            row = (model, dtype_name, kv, group, variant.kernel.__name__, variant.key)
+            counts[row] = counts.get(row, 0) + 1
+            variants[variant.key] = variant
     resources = {key: specializer.compile(v) for key, v in variants.items()}
     return [
         dict(
-            model=model, dtype=dtype, target=target_name, group=group, kernel=kernel,
+            model=model, dtype=dtype, kv=kv, target=target_name, group=group, kernel=kernel,
             variant=_variant_id(key), launches=launches, max_shared=target.max_shared,
             num_stages=variants[key].options["num_stages"], **asdict(resources[key]),
         )
-        for (model, dtype, group, kernel, key), launches in counts.items()
+        for (model, dtype, kv, group, kernel, key), launches in counts.items()
     ]  # fmt: skip
+
+
+def config(row: dict) -> str:
+    """What a row was compiled for: its dtype, or the quantized KV dtype under it."""
+    return row["kv"] if row["kv"] in KV_DTYPES else row["dtype"]
 
 
 def table(rows: list[dict]) -> str:
     """Markdown: per model, target and kernel (and all kernels together), the variants per dtype
-    and the largest shared memory, registers and stack frame among them."""
+    (and per quantized KV dtype, under the bf16 model) and the largest shared memory, registers
+    and stack frame among them."""
+    configs = (*DTYPES, *KV_DTYPES)
     lines = [
-        "| model | target | kernel | variants fp32/fp16/bf16 | max shared B (limit) "
+        f"| model | target | kernel | variants {'/'.join(configs)} | max shared B (limit) "
         "| max registers | max stack B |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -440,8 +481,8 @@ def table(rows: list[dict]) -> str:
             groups.setdefault((r["model"], r["target"], kernel), []).append(r)
     for (model, target, kernel), mine in sorted(groups.items()):
         counts = "/".join(
-            str(len({(r["group"], r["kernel"], r["variant"]) for r in mine if r["dtype"] == d}))
-            for d in DTYPES
+            str(len({(r["group"], r["kernel"], r["variant"]) for r in mine if config(r) == c}))
+            for c in configs
         )
         worst = {k: max(r[k] for r in mine) for k in ("shared", "registers", "stack")}
         lines.append(
@@ -475,16 +516,22 @@ def ptxas_verbose(ptx: str, capability: int) -> dict[str, int]:
 
 
 def _tile_launch(
-    model: str, kernel: str, dtype: torch.dtype, tile, sms: int, block_size: int, heads: int
+    model: str,
+    kernel: str,
+    dtype: torch.dtype,
+    tile,
+    sms: int,
+    block_size: int,
+    heads: int,
+    kv: str = "",
 ):
     """The decode or prefill launch of the model's first KV-cache group with ``tile`` (and
-    ``heads`` query heads, if not 0)."""
+    ``heads`` query heads, if not 0), its cache in the KV dtype ``kv`` ("": the model's)."""
     from kernels import triton_attention
     from models.loader import model_class
 
     cfg = model_config(model, **({"num_attention_heads": heads} if heads else {}))
-    dtype_name = str(dtype).removeprefix("torch.")
-    spec = model_class(cfg).kv_cache_groups(cfg, dtype_name)[0].spec
+    spec = model_class(cfg).kv_cache_groups(cfg, kv or kv_name(dtype))[0].spec
     (k_cache, v_cache), (q, k, v) = _layer_tensors(spec, cfg.num_heads, 4, dtype, block_size)
     index = dict(dtype=torch.int32, device="meta")
     tables, lens = torch.empty(4, 8, **index), torch.empty(4, **index)
@@ -497,6 +544,7 @@ def _tile_launch(
         _, launches = triton_attention.prefill_launches(
             q, k, v, k_cache, v_cache, tables, cu, lens, 0.1, spec.window, tile=tile
         )
+        launches = launches[-1:]  # after those that quantize the chunk's own rows
     return launches[0]
 
 
@@ -508,9 +556,11 @@ def tile_usage(
     tiles: list,
     block_size: int = BLOCK_SIZE,
     heads: int = 0,
+    kv: str = "",
 ) -> str:
-    """Markdown: for each tile, the model's decode or prefill kernel compiled for the target,
-    with ``ptxas -v``'s registers and spills, the shared memory and the async copies."""
+    """Markdown: for each tile, the model's decode or prefill kernel compiled for the target
+    (over a cache of KV dtype ``kv``, "": the model's), with ``ptxas -v``'s registers and
+    spills, the shared memory and the async copies."""
     target = TARGETS[target_name]
     specializer = Specializer(target.capability)
     lines = [
@@ -520,7 +570,7 @@ def tile_usage(
     ]
     for tile in tiles:
         dtype = DTYPES[dtype_name]
-        launch = _tile_launch(model, kernel, dtype, tile, target.sms, block_size, heads)
+        launch = _tile_launch(model, kernel, dtype, tile, target.sms, block_size, heads, kv)
         try:
             with contextlib.redirect_stdout(io.StringIO()):  # Triton prints failing PTX there
                 compiled = specializer.compiled(specializer.variant(launch))
@@ -547,7 +597,8 @@ def main(argv: list[str]) -> None:
     """``python -m tests.kernels.kernel_variants TARGET`` (a key of TARGETS): every variant,
     as JSON. ``... TARGET --tiles MODEL decode|prefill DTYPE ROWS:KEYS:WARPS:STAGES ...``: the
     model's kernel compiled with each tile, as a markdown table (``ptxas -v`` figures), its
-    cache in blocks of ``--block-size`` tokens."""
+    cache in blocks of ``--block-size`` tokens, in the KV dtype ``--kv`` (default the
+    model's)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m tests.kernels.kernel_variants")
@@ -557,6 +608,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument(
         "--heads", type=int, default=0, help="with --tiles: query heads (MLA: a rank's share)"
     )
+    parser.add_argument("--kv", choices=KV_DTYPES, default="", help="with --tiles")
     args = parser.parse_args(argv)
     why = unavailable()
     if args.tiles:
@@ -567,7 +619,7 @@ def main(argv: list[str]) -> None:
         model, kernel, dtype_name, *specs = args.tiles
         tiles = [Tile(*map(int, spec.split(":"))) for spec in specs]
         usage = tile_usage(
-            args.target, model, kernel, dtype_name, tiles, args.block_size, args.heads
+            args.target, model, kernel, dtype_name, tiles, args.block_size, args.heads, args.kv
         )
         print(usage)
         return

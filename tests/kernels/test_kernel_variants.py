@@ -6,11 +6,12 @@ The variants come from the serving code path run on meta tensors for four real m
 (SmolLM2-135M: 9/3 heads of 64, Llama-3-8B: 32/8 of 128, Gemma 3 270M: 4/1 of 256 with a
 512-token window on 5 of 6 layers, DeepSeek-V3: MLA over 576-wide latents for 128 heads), in
 fp32, fp16 and bf16, over batch sizes, table widths and decode/prefill mixes chosen around the
-values Triton specializes on. The block-format kernels come from two Q4_K_M files' matrices
-(Qwen2.5-Coder 0.5B: q5_0, q8_0, q4_k and q6_k at widths 896 and 4864; 1.5B: q4_k and q6_k at
-1536 and 8960, a 151936-row table) over step sizes around the GEMV/matmul boundary. They are
-compiled in a separate process, where the kernels are JIT functions rather than interpreted
-ones.
+values Triton specializes on; and under bf16, over caches of every quantized KV dtype (int8,
+fp8_e4m3, int4) for the same four models, one of each layout at least. The block-format
+kernels come from two Q4_K_M files' matrices (Qwen2.5-Coder 0.5B: q5_0, q8_0, q4_k and q6_k at
+widths 896 and 4864; 1.5B: q4_k and q6_k at 1536 and 8960, a 151936-row table) over step sizes
+around the GEMV/matmul boundary. They are compiled in a separate process, where the kernels
+are JIT functions rather than interpreted ones.
 
 Bounds:
   - shared memory per block (Triton's dynamic plus the cubin's static) within the target's
@@ -21,10 +22,15 @@ Bounds:
     does without: no bound above 0 is needed.
   - pipelined K/V loads: every decode and prefill variant copies its K/V tiles to shared
     memory with cp.async, and every one compiled with 3 or more stages (all decode variants
-    are) leaves the next tile's copies in flight while it computes on the current one.
-  - variants: one per (model, dtype, KV-cache group, kernel). Every step (batch size, context
-    length, number of decodes, table width) launches the variant the first step compiled, so a
-    server compiles at most 5 kernels x cache groups per dtype, all of them in its first steps.
+    are) leaves the next tile's copies in flight while it computes on the current one. int4
+    tiles excepted: a group's 16 bytes follow its 2-byte scale, so no load of them is aligned
+    to the 4 bytes a cp.async copies at least; they are read straight into registers.
+  - variants: one per (model, dtype, KV dtype, KV-cache group, kernel). Every step (batch
+    size, context length, number of decodes, table width) launches the variant the first step
+    compiled, so a server compiles at most 5 kernels x cache groups per dtype, all of them in
+    its first steps; over a quantized cache the write kernel has two (the cache's slots, and a
+    prefill chunk's own rows quantized to be read back) and no rotary kernel (keys move in
+    torch).
     A quantized matrix part compiles one variant per kernel and tile: GEMV, the matmul's
     decode-batch and prefill tiles (``triton_quant.matmul_tile``), the row dequantizer.
 """
@@ -45,8 +51,13 @@ from tests.kernels import kernel_variants
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"_decode_kernel", "_merge_kernel", "_prefill_kernel", "_write_cache_kernel",
            "_rotate_kernel"}  # fmt: skip
+KV_KERNELS = {"_decode_kernel", "_merge_kernel", "_prefill_kernel", "_write_quantized_kernel"}
 QUANT_KERNELS = {"_quant_gemv_kernel", "_quant_matmul_kernel", "_dequantize_rows_kernel"}
-TILES = {"_quant_matmul_kernel": 2}  # variants a part may compile per kernel (else 1)
+# Variants a part or cache group may compile per kernel (else 1).
+TILES = {"_quant_matmul_kernel": 2, "_write_quantized_kernel": 2}
+# The models of each cache layout, and the KV dtypes a cache may be served in.
+LAYOUTS = {"gqa": {"SmolLM2-135M", "Llama-3-8B"}, "ring": {"Gemma-3-270M"},
+           "mla": {"DeepSeek-V3"}}  # fmt: skip
 
 
 def _compile_in_subprocesses() -> dict:
@@ -87,23 +98,45 @@ def rows() -> list[dict]:
     return result["rows"]
 
 
+def _kernels(model: str, kv: str) -> set[str]:
+    if model in kernel_variants.QUANT_MODELS:
+        return QUANT_KERNELS
+    return KV_KERNELS if kv in kernel_variants.KV_DTYPES else KERNELS
+
+
 def test_every_model_dtype_and_target_launches_every_kernel(rows):
     seen = defaultdict(set)
     for row in rows:
-        seen[row["model"], row["dtype"], row["target"]].add(row["kernel"])
+        seen[row["model"], row["dtype"], row["kv"], row["target"]].add(row["kernel"])
     expected = {
-        (m, d, t)
+        (m, d, kernel_variants.kv_name(dtype) if m in kernel_variants.MODELS else "", t)
         for m in (*kernel_variants.MODELS, *kernel_variants.QUANT_MODELS)
-        for d in kernel_variants.DTYPES
+        for d, dtype in kernel_variants.DTYPES.items()
+        for t in kernel_variants.TARGETS
+    } | {
+        (m, kernel_variants.KV_MODEL_DTYPE, kv, t)
+        for m in kernel_variants.KV_MODELS
+        for kv in kernel_variants.KV_DTYPES
         for t in kernel_variants.TARGETS
     }
     assert set(seen) == expected
-    wrong = {
-        key: kernels
-        for key, kernels in seen.items()
-        if kernels != (KERNELS if key[0] in kernel_variants.MODELS else QUANT_KERNELS)
-    }
+    wrong = {key: kernels for key, kernels in seen.items() if kernels != _kernels(key[0], key[2])}
     assert not wrong, wrong
+
+
+def test_every_kv_dtype_is_compiled_for_every_layout_without_spills(rows):
+    from kernels.kv_quant import KV_DTYPES
+
+    for kv in KV_DTYPES:
+        mine = [r for r in rows if r["kv"] == kv]
+        for target in kernel_variants.TARGETS:
+            for layout, models in LAYOUTS.items():
+                attention = {
+                    r["kernel"] for r in mine if r["model"] in models and r["target"] == target
+                }
+                assert {"_decode_kernel", "_prefill_kernel"} <= attention, (kv, target, layout)
+        spilling = [r for r in mine if r["stack"] > 0 or r["shared"] > r["max_shared"]]
+        assert not spilling, (kv, kernel_variants.table(spilling))
 
 
 def test_every_stored_format_of_the_quantized_models_is_compiled(rows):
@@ -134,6 +167,8 @@ def test_attention_kernels_pipeline_their_kv_loads(rows):
         return [tuple(r[k] for k in keys) for r in rs]
 
     attention = [r for r in rows if r["kernel"] in ("_decode_kernel", "_prefill_kernel")]
+    assert any(r["kv"] == "int4" for r in attention)
+    attention = [r for r in attention if r["kv"] != "int4"]  # none of its loads is aligned
     synchronous = [r for r in attention if r["async_copies"] == 0]
     assert not synchronous, named(synchronous)
     decode = [r for r in attention if r["kernel"] == "_decode_kernel"]
@@ -146,7 +181,8 @@ def test_attention_kernels_pipeline_their_kv_loads(rows):
 def test_one_variant_per_model_dtype_group_and_kernel(rows):
     variants = defaultdict(set)
     for r in rows:
-        variants[r["model"], r["dtype"], r["target"], r["group"], r["kernel"]].add(r["variant"])
+        key = r["model"], r["dtype"], r["kv"], r["target"], r["group"], r["kernel"]
+        variants[key].add(r["variant"])
     several = {k: v for k, v in variants.items() if len(v) > TILES.get(k[-1], 1)}
     assert not several, sorted(several)
 
