@@ -137,7 +137,10 @@ def _write_quantized_kernel(
     BLOCK_D: tl.constexpr,
 ):
     """One token's row of one head into a byte cache, quantized as ``kv_quant.quantize`` does
-    (int4 rows arrive rotated). DIRECT: token t is slot t (``read_back_launches``)."""
+    (int4 rows arrive rotated). DIRECT: token t is slot t (``read_back_launches``). Its
+    divisions round as torch's do (``div_rn``: ``/`` is approximate on the GPU), and it is
+    compiled without fused multiply-adds (``_quantize_launch``), which round once where torch
+    rounds twice."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     if DIRECT:
@@ -167,8 +170,8 @@ def _write_quantized_kernel(
         top = tl.sum(tl.where(j == first, lo, 0.0), 1) + tl.sum(
             tl.where(j + _QGROUP // 2 == first, hi, 0.0), 1
         )
-        d = top / -8.0
-        inv = tl.where(d != 0.0, 1.0 / tl.where(d != 0.0, d, 1.0), 0.0)[:, None]
+        d = top * -0.125
+        inv = tl.where(d != 0.0, tl.math.div_rn(1.0, tl.where(d != 0.0, d, 1.0)), 0.0)[:, None]
         q_lo = tl.minimum(tl.floor(lo * inv + 8.5), 15.0).to(tl.uint8)
         q_hi = tl.minimum(tl.floor(hi * inv + 8.5), 15.0).to(tl.uint8)
         group = dst + g[:, None] * _QGROUP_BYTES
@@ -186,14 +189,16 @@ def _write_quantized_kernel(
         else:
             top = _FP8_MAX
         # torch divides a number by a tensor as the tensor's reciprocal times the number.
-        y = x * tl.where(amax > 0.0, (1.0 / tl.where(amax > 0.0, amax, 1.0)) * top, 0.0)
+        y = x * tl.where(
+            amax > 0.0, tl.math.div_rn(1.0, tl.where(amax > 0.0, amax, 1.0)) * top, 0.0
+        )
         if KV == _INT8:
             q = tl.minimum(tl.maximum(_round_half_even(y), -127.0), 127.0)
             q = q.to(tl.int8).to(tl.uint8, bitcast=True)
         else:
             q = _e4m3_bits(tl.minimum(tl.maximum(y, -_FP8_MAX), _FP8_MAX))
         tl.store(dst + _SCALE_BYTES + d, q, mask=d_ok)
-        bits = (amax / top).to(tl.uint32, bitcast=True)
+        bits = tl.math.div_rn(amax, top).to(tl.uint32, bitcast=True)
         b = tl.arange(0, _SCALE_BYTES)
         tl.store(dst + b, ((bits >> (8 * b).to(tl.uint32)) & 0xFF).to(tl.uint8), mask=b < width)
 
@@ -305,6 +310,8 @@ def _attend(
     needs one table entry, a scalar, rather than one per key.
     ``q_pos`` are the rows' positions in the same coordinates, for the causal/window masks.
     SHARED_V: v is exactly the power-of-two part of k (MLA's latent), so the K tile is reused.
+    KV: the rows' format; quantized rows are bytes (``_load_values``), their starts a multiple
+    of ALIGN bytes apart.
     The loop body is written out rather than split into helpers: the interpreter re-patches
     triton.language on every device-function call, which would dominate the test run time.
 
@@ -992,7 +999,7 @@ def _quantize_launch(
     args = (view, rows, rows if slot_mapping is None else slot_mapping, *view.stride()[:3],
             *rows.stride())  # fmt: skip
     params = dict(BS=block_size, D=dim, KV=_format(cache), DIRECT=slot_mapping is None,
-                  BLOCK_D=_pow2(dim, 32))  # fmt: skip
+                  BLOCK_D=_pow2(dim, 32), enable_fp_fusion=False)  # fmt: skip
     return Launch(_write_quantized_kernel, (rows.shape[0], heads), args, params)
 
 
