@@ -1023,16 +1023,16 @@ def read_back_launches(
         v_new = k_new[..., : v.shape[-1]] if shared else v.to(v_cache.dtype)
         return k_new, v_new, []
     launches = []
-    news = []
-    for rows, cache in ((k, k_cache), (v, v_cache)):
-        if news and shared:
-            news.append(news[0][..., : v_cache.shape[-1]])
-            break
+
+    def written(rows: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         new = rows.new_empty(rows.shape[0], 1, *cache.shape[2:], dtype=cache.dtype)
         if rows.shape[0]:
             launches.append(_quantize_launch(new, rows, None))
-        news.append(new[:, 0])
-    return news[0], news[1], launches
+        return new[:, 0]
+
+    k_new = written(k, k_cache)
+    v_new = k_new[..., : v_cache.shape[-1]] if shared else written(v, v_cache)
+    return k_new, v_new, launches
 
 
 @dataclass(frozen=True)
