@@ -63,8 +63,7 @@ class EngineMetrics:
         )
         self.kv_bytes_per_token = gauge(
             "kv_cache_bytes_per_token",
-            "KV-cache bytes one token holds in all layers of a group (scales included), by "
-            "group and cache dtype.",
+            "KV bytes a token holds in a group's layers (scales included), by group and dtype.",
             ("group", "dtype"),
         )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (after truncation).")
@@ -88,21 +87,7 @@ class EngineMetrics:
         self.queue_time = histogram(
             "request_queue_time_seconds", "From arrival to the first scheduling.", REQUEST_BUCKETS
         )
-        self.preemptions = counter(
-            "num_preemptions",
-            "Running requests preempted for lack of KV blocks, by mode (recompute, swap).",
-            ("mode",),
-        )
-        self.context_overflows = counter(
-            "context_overflows",
-            "Requests at max_model_len (or over it at admission), by the policy that acted.",
-            ("policy",),
-        )
-        self.swapped_blocks = counter(
-            "swapped_blocks",
-            "KV blocks copied to (out) or back from (in) the host swap pool.",
-            ("direction",),
-        )
+        self._policy_counters(counter)
         self.prefix_queries = counter(
             "prefix_cache_queries",
             "Tokens looked up in the prefix cache, at each admission (preempted ones again).",
@@ -118,6 +103,23 @@ class EngineMetrics:
             "kvserve:cache_config", "KV-cache layout and capacity.", registry=r
         )
         self._export_known_labels()
+
+    def _policy_counters(self, counter) -> None:
+        self.preemptions = counter(
+            "num_preemptions",
+            "Running requests preempted for lack of KV blocks, by mode (recompute, swap).",
+            ("mode",),
+        )
+        self.context_overflows = counter(
+            "context_overflows",
+            "Requests at max_model_len (or over it at admission), by the policy that acted.",
+            ("policy",),
+        )
+        self.swapped_blocks = counter(
+            "swapped_blocks",
+            "KV blocks copied to (out) or back from (in) the host swap pool.",
+            ("direction",),
+        )
 
     def _speculation_counters(self, counter) -> None:
         self.spec_draft_tokens = counter(

@@ -14,15 +14,17 @@ tensor parallelism, CUDA graphs) moves scales with their values without knowing 
   int4            uint8                  per 32 values: float16 scale, 16 bytes     D / 32 * 18
   ==============  =====================  =========================================  ==========
 
-int8 and fp8: x = scale * q, the scale the row's largest magnitude over 127 (448 for e4m3),
-q = round-half-even(x * 127 / max) (e4m3: x * 448 / max cast to e4m3, saturated).
-
-int4: the row is first rotated by ``hadamard(D)`` (orthonormal and symmetric, so its own
-inverse); each group of 32 rotated values is stored as llama.cpp's Q4_0 stores a block: d the
-signed value of largest magnitude over -8, byte j holding q_j (low nibble) and q_{j+16} (high),
-q = min(15, floor(x / d + 8.5)), x = d (q - 8). A rotation spreads a key's outlier channels
-over the group, so one scale fits all 32 values better. Attention may rotate the query (keys)
+Each quantized row is first rotated by ``hadamard(D)`` (orthonormal and symmetric, so its own
+inverse), which spreads a key's outlier channels over the row: its one scale (int8, fp8) or its
+groups' scales (int4) then fit the other values better. Attention may rotate the query (keys)
 and the output (values) instead of each cached row: (R q).(R k) = q.k, sum p R v = R sum p v.
+
+int8 and fp8: x = scale * q, the scale the rotated row's largest magnitude over 127 (448 for
+e4m3), q = round-half-even(x * 127 / max) (e4m3: x * 448 / max cast to e4m3, saturated).
+
+int4: each group of 32 rotated values is stored as llama.cpp's Q4_0 stores a block: d the
+signed value of largest magnitude over -8, byte j holding q_j (low nibble) and q_{j+16} (high),
+q = min(15, floor(x / d + 8.5)), x = d (q - 8).
 
 The value cache may be a view of the key cache's rows (MLA): a prefix of the row, which in
 every format is a whole row of the first values (the scale leads the row, or each group).
@@ -63,8 +65,8 @@ def value_dim(cache: torch.Tensor) -> int:
 
 
 def rotated(cache: torch.Tensor) -> bool:
-    """Whether the format stores rows rotated by ``hadamard``."""
-    return cache.dtype == torch.uint8
+    """Whether the format stores rows rotated by ``hadamard``: the quantized ones."""
+    return cache.dtype in QUANTIZED
 
 
 def check_prefix(dtype: torch.dtype, dim: int, prefix: int) -> None:
@@ -104,16 +106,18 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
 
 
 def _scale_bytes(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return scale.float().contiguous().view(torch.uint8).view(*scale.shape[:-1], -1).view(dtype)
+    """[..., 1] float32 -> [..., 4] of ``dtype``, the same bytes."""
+    flat = scale.float().contiguous().view(torch.uint8)  # [..., 4]
+    return flat.reshape(*scale.shape[:-1], SCALE_BYTES).view(dtype)
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows x [..., D] in the format of cache dtype ``dtype`` -> [..., R]."""
     if dtype not in QUANTIZED:
         return x.to(dtype)
-    x = x.float()
+    x = rotate(x)
     if dtype == torch.uint8:
-        return _quantize_int4(rotate(x))
+        return _quantize_int4(x)
     amax = x.abs().amax(-1, keepdim=True)
     top = 127.0 if dtype == torch.int8 else FP8_MAX
     inv = torch.where(amax > 0, top / amax, torch.zeros_like(amax))
@@ -131,7 +135,7 @@ def _quantize_int4(x: torch.Tensor) -> torch.Tensor:
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     q = torch.floor(g * inv + 8.5).clamp(max=15).to(torch.uint8)
     nibbles = q[..., : GROUP // 2] | (q[..., GROUP // 2 :] << 4)
-    scale = d.to(torch.float16).view(torch.uint8).reshape(*d.shape[:-1], 2)
+    scale = d.to(torch.float16).contiguous().view(torch.uint8).reshape(*d.shape[:-1], 2)
     return torch.cat([scale, nibbles], -1).reshape(*x.shape[:-1], g.shape[-2] * GROUP_BYTES)
 
 
@@ -146,7 +150,7 @@ def dequantize(rows: torch.Tensor) -> torch.Tensor:
         q = torch.cat([nib & 15, nib >> 4], -1).float() - 8.0
         return rotate((d * q).reshape(*rows.shape[:-1], g.shape[-2] * GROUP))
     scale = rows[..., :SCALE_BYTES].contiguous().view(torch.uint8).view(torch.float32)
-    return rows[..., SCALE_BYTES:].float() * scale
+    return rotate(rows[..., SCALE_BYTES:].float() * scale)
 
 
 def fake_quantize(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

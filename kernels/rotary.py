@@ -20,7 +20,7 @@ CUDA; the attention backend picks one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,9 @@ class RopeLayout:
     inv_freq: torch.Tensor  # [rotary_dim // 2], the frequencies the model rotated with
     start: int = 0  # index of the first rotary value in the row's last dimension
     interleaved: bool = False
+    # [H, D] subtracted from every key after its rotation (models.llama center_keys): added
+    # back before a re-rotation and taken off again after it.
+    offset: torch.Tensor | None = field(default=None, compare=False)
 
     @property
     def rotary_dim(self) -> int:
@@ -71,9 +74,11 @@ def rotate_reference(
     cos, sin = (t.to(cache.device, torch.float32) for t in delta_cos_sin(layout, delta))
     idx = blocks.to(cache.device, torch.long)
     rows = dequantize(cache[idx])  # [n, bs, H, D]
+    offset = 0 if layout.offset is None else layout.offset.to(rows.device, torch.float32)
+    rows += offset
     x1, x2 = rows[..., i1], rows[..., i2]
     rows[..., i1], rows[..., i2] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-    cache[idx] = quantize(rows, cache.dtype)
+    cache[idx] = quantize(rows - offset, cache.dtype)
 
 
 if triton is not None:

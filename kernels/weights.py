@@ -99,6 +99,7 @@ class DecoderLayerWeights:
     k_norm: torch.Tensor | None = None
     post_attention_norm: torch.Tensor | None = None  # after attention, before the residual
     post_mlp_norm: torch.Tensor | None = None  # after the MLP, before the residual
+    k_offset: torch.Tensor | None = None  # [Hkv * D] off every key once rotated (Qwen2's bias)
 
     def named_tensors(self) -> dict[str, torch.Tensor | None]:
         """Every tensor by its name, a matrix part's as ``name`` and ``name_bias``

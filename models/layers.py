@@ -109,7 +109,7 @@ class DecoderLayer(nn.Module):
         return DecoderLayerWeights(
             norm1.weight, linear(a.qkv_proj), linear(a.o_proj), norm2.weight,
             linear(mlp.gate_up_proj), linear(mlp.down_proj), w(getattr(a, "q_norm", None)),
-            w(getattr(a, "k_norm", None)), w(post_attn), w(post_mlp),
+            w(getattr(a, "k_norm", None)), w(post_attn), w(post_mlp), key_offset(a),
         )  # fmt: skip
 
     @property
@@ -118,6 +118,12 @@ class DecoderLayer(nn.Module):
         norm = self.norms()[0]
         a = self.self_attn
         return norm.eps, norm.offset, a.scale, a.num_heads, self.mlp.activation
+
+
+def key_offset(attention: nn.Module) -> torch.Tensor | None:
+    """What an attention module subtracts from its keys once rotated, flat (or None)."""
+    offset = getattr(attention, "key_offset", None)
+    return None if offset is None else offset.float().flatten().contiguous()
 
 
 def run_layers(layers, x: torch.Tensor, rope: list, ctx) -> torch.Tensor:

@@ -35,6 +35,12 @@ def attention_biases(cfg: ModelConfig) -> tuple[bool, bool]:
     return bias, bias
 
 
+# Positions whose average rotation of the key bias is subtracted from cached keys: a context
+# of a few thousand tokens, where channels that turn by less than one revolution keep most of
+# their bias and the faster ones average out.
+OFFSET_POSITIONS = 4096
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -50,6 +56,31 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = PackedLinear(h, self.qkv_sizes, bias=qkv_bias)  # the checkpoint's q, k, v
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=o_bias)
         self.scale = d**-0.5
+        self.key_offset: torch.Tensor | None = None  # [Hkv, D], see ``center_keys``
+
+    def center_keys(self, inv_freq: torch.Tensor) -> torch.Tensor | None:
+        """Cache keys less a constant per KV head and value: their k_proj bias rotated by the
+        average rotation of positions 0 .. OFFSET_POSITIONS - 1 (None without a bias).
+
+        A constant subtracted from every key adds the same q . o to all of a query's scores:
+        softmax, so attention, is unchanged. Qwen2's key bias puts offsets of up to ~150
+        on a few slowly rotating channels, which a quantized row's one scale must then span;
+        without them the row's values need a fraction of the range."""
+        parts = self.qkv_proj.parts if hasattr(self.qkv_proj, "parts") else [self.qkv_proj]
+        if all(p.bias is None for p in parts):
+            return None
+        bias = torch.cat([
+            p.bias.float() if p.bias is not None else torch.zeros(p.out_features)
+            for p in parts
+        ])  # fmt: skip
+        nq, nk, _ = self.qkv_sizes
+        b = bias[nq : nq + nk].view(self.num_kv_heads, self.head_dim)
+        angle = torch.arange(OFFSET_POSITIONS, dtype=torch.float64)[:, None] * inv_freq.double()
+        c, s = angle.cos().mean(0).float(), angle.sin().mean(0).float()
+        half = self.head_dim // 2
+        b1, b2 = b[:, :half], b[:, half:]
+        self.key_offset = torch.cat([b1 * c - b2 * s, b2 * c + b1 * s], -1).to(bias.device)
+        return self.key_offset
 
     def project(self, x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k and v [T, Hkv, D]."""
@@ -60,6 +91,8 @@ class LlamaAttention(nn.Module):
     def forward(self, x, cos, sin, ctx: ForwardContext):
         q, k, v = self.project(x)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.key_offset is not None:
+            k = k - self.key_offset.to(k.dtype)
         out = ctx.attention(self.layer_id, q, k, v, self.scale)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
@@ -120,8 +153,15 @@ class LlamaForCausalLM(nn.Module):
         load_by_name(self, weights)
 
     def cached_key_rope(self, layer_id: int) -> RopeLayout:
-        """How the keys this model caches were rotated: every layer alike, half-split."""
-        return RopeLayout(self.inv_freq)
+        """How the keys this model caches were rotated: every layer alike, half-split, less
+        the layer's key offset where it has one."""
+        return RopeLayout(self.inv_freq, offset=self.model.layers[layer_id].self_attn.key_offset)
+
+    def center_cached_keys(self) -> bool:
+        """Cache every layer's keys less its constant offset (``LlamaAttention.center_keys``);
+        whether any layer has one."""
+        offsets = [layer.self_attn.center_keys(self.inv_freq) for layer in self.model.layers]
+        return any(o is not None for o in offsets)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
         x = self.model.embed_tokens(input_ids)

@@ -20,7 +20,7 @@ from kernels.kv_quant import KV_DTYPES, check_prefix
 from kernels.paged import ForwardContext
 from kernels.rotary import RopeLayout
 from models.interface import CausalLM
-from models.kv_spec import KVCacheGroup, MLASpec, row_bytes
+from models.kv_spec import QUANTIZED_KV, KVCacheGroup, MLASpec, row_bytes
 from models.loader import load_model
 from models.tensor_parallel import NO_TP, TPRank, shard_config
 
@@ -63,6 +63,8 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the swap pool
         self.cache_config: CacheConfig | None = None
+        if config.kv_dtype in QUANTIZED_KV and hasattr(self.model, "center_cached_keys"):
+            self.model.center_cached_keys()  # a quantized row's scale then spans less
         # How each layer's cached keys were rotated; None: the model cannot shift its cache.
         rope = [self.model.cached_key_rope(i) for i in range(model_config.num_layers)]
         self.key_rope: list[RopeLayout] | None = None if None in rope else rope

@@ -187,7 +187,8 @@ def test_plan_rejects_a_block_size_that_is_not_a_power_of_two(llama_dir):
 def capacity_table(text: str) -> list[str]:
     """The capacity table's header and group rows, as `format_capacity` writes them."""
     lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.split()[:3] == ["group", "dtype", "layers"])
+    header = ["group", "dtype", "layers"]
+    start = next(i for i, line in enumerate(lines) if line.split()[:3] == header)
     rows = [lines[start]]
     for line in lines[start + 1 :]:
         if not line.split() or not line.split()[0].split("(")[0].endswith("Spec"):

@@ -165,12 +165,12 @@ void attend_tile(QueryState* qs, int64_t nq, const uint8_t* const* k, const uint
   }
 }
 
-// Query q [Dk] (I4: rotated into `rotated`) attending a unit's rows lo .. hi - 1, its output
-// [Dv] at out.
+// Query q [Dk] (quantized formats: rotated into `rotated`) attending a unit's rows lo .. hi - 1,
+// its output [Dv] at out.
 template <KvFormat F>
 QueryState query_of(const float* q, int64_t Dk, float* rotated, float* out, int64_t Dv,
                     int64_t lo, int64_t hi) {
-  if constexpr (F == KvFormat::I4) {
+  if constexpr (stored_rotated(F)) {
     std::copy_n(q, Dk, rotated);
     hadamard(rotated, Dk);
     q = rotated;
@@ -179,11 +179,11 @@ QueryState query_of(const float* q, int64_t Dk, float* rotated, float* out, int6
   return {q, out, lo, hi, -INFINITY, 0.f};
 }
 
-// The query's output normalized (I4: rotated back); zeros without rows.
+// The query's output normalized (quantized formats: rotated back); zeros without rows.
 template <KvFormat F>
 void finish(const QueryState& qs, int64_t Dv) {
   scale_row(qs.out, Dv, qs.sum > 0.f ? 1.f / qs.sum : 0.f);
-  if constexpr (F == KvFormat::I4) hadamard(qs.out, Dv);
+  if constexpr (stored_rotated(F)) hadamard(qs.out, Dv);
 }
 
 // Requests rows into L2 ahead of their tile: `bytes` from each.
@@ -219,7 +219,7 @@ void PagedAttention::unit_in(int64_t u, AttentionScratch& s) const {
   const CacheRows &k = cache.k, &v = cache.v;
   const int64_t Hq = q.heads, G = Hq / k.heads, Dk = k.dim, Dv = v.dim;
   const TileShape shape{Dk, Dv, tile_rows(std::max(Dk, Dv)), q.scale};
-  prepare(s, n, Hq, shape, F == KvFormat::I4 ? Hq * Dk : 0);
+  prepare(s, n, Hq, shape, stored_rotated(F) ? Hq * Dk : 0);
   // Head 0's rows of positions lo .. hi - 1, one table lookup per block (a ring of W with a
   // window); each further head's rows are these moved by the head stride.
   for (int64_t pos = lo; pos < hi;) {
@@ -313,7 +313,7 @@ void PrefillAttention::unit_in(int64_t u, AttentionScratch& s) const {
   const int64_t c0 = cu[b], r1 = std::min<int64_t>(r0 + ROWS, cu[b + 1]), P = prefix[b];
   const int64_t lo = lowest(P + r0 - c0), hi = P + r1 - c0, n = hi - lo, nq = (r1 - r0) * G;
   const TileShape shape{Dk, Dv, tile_rows(std::max(Dk, Dv)), q.scale};
-  prepare(s, n, nq, shape, F == KvFormat::I4 ? nq * Dk : 0);
+  prepare(s, n, nq, shape, stored_rotated(F) ? nq * Dk : 0);
   for (int64_t pos = lo; pos < hi; ++pos) {
     if (pos < P) {
       const auto [k0, v0] = cache.rows(b, pos);

@@ -59,7 +59,7 @@ struct AttentionScratch {
   std::vector<const uint8_t*> krows, vrows;  // the unit's rows (decode: of its first head)
   std::vector<const uint8_t*> ktile, vtile;  // a tile's rows of one head
   std::vector<const float*> floats;          // a tile's rows as floats
-  std::vector<float> tile, scores, rotated;  // converted rows, scores per query, I4's queries
+  std::vector<float> tile, scores, rotated;  // converted rows, scores per query, rotated queries
   std::vector<QueryState> queries;
 
   AttentionScratch();

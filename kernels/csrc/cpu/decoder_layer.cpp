@@ -168,6 +168,10 @@ struct DecoderLayer {
       if (norm != nullptr) norm_row(row, norm, D, eps, off, row);
       rope_row(row, cos + r * D, sin + r * D, D);
       if (head < Hq) continue;
+      if (w.k_offset != nullptr) {  // models.llama LlamaAttention.center_keys
+        const float* o = w.k_offset + (head - Hq) * D;
+        for (int64_t d = 0; d < D; ++d) row[d] -= o[d];
+      }
       if (r < nd && slot[r] >= 0) {
         store_kv(r, head - Hq, row);
       } else if (r >= nd && k_cache.format != KvFormat::F32) {

@@ -32,6 +32,7 @@ struct LayerWeights {
   const float* k_norm = nullptr;
   const float* post_attention_norm = nullptr;  // after attention, before the residual
   const float* post_mlp_norm = nullptr;        // after the MLP, before the residual
+  const float* k_offset = nullptr;             // [Hkv, head_dim] off every key once rotated
 };
 
 // The constants of a model's layers.

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 namespace kvserve {
 namespace {
@@ -35,10 +36,13 @@ float largest_magnitude(const float* x, int64_t D) {
   return amax;
 }
 
-// I8 and FP8: the row's scale amax / top, then each x * (top / amax) as `cast` stores it.
-// (torch computes top / amax as reciprocal(amax) * top, which rounds twice.)
+// I8 and FP8: the rotated row's scale amax / top, then each x * (top / amax) as `cast` stores
+// it. (torch computes top / amax as reciprocal(amax) * top, which rounds twice.)
 template <class Cast>
-void store_scaled(const float* x, int64_t D, float top, uint8_t* row, Cast cast) {
+void store_scaled(const float* values, int64_t D, float top, uint8_t* row, Cast cast) {
+  std::vector<float> turned(values, values + D);
+  hadamard(turned.data(), D);
+  const float* x = turned.data();
   const float amax = largest_magnitude(x, D);
   const float inv = amax > 0.f ? (1.f / amax) * top : 0.f;
   const float scale = amax / top;

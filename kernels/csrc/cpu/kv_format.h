@@ -3,12 +3,13 @@
 //   F32, F16, BF16  the values
 //   I8, FP8         a float32 scale, then D int8 (x = scale q) or float8 e4m3 (x = scale e4m3)
 //   I4              per group of 32 values a float16 scale d, then 16 bytes of nibbles (byte j:
-//                   q_j low, q_{j+16} high), x = d (q - 8); the row first rotated by hadamard
-// A row's prefix of whole groups is itself a row of its first values (MLA's values).
+//                   q_j low, q_{j+16} high), x = d (q - 8)
+// the quantized ones (I8, FP8, I4) of the row first rotated by hadamard. A row's prefix of whole
+// groups is itself a row of its first values (MLA's values).
 //
 // Attention reads rows through load_row, a tile of them at a time: every query head of the tile
-// then shares one conversion. An I4 row's values stay rotated; attention rotates the query
-// and its output instead (R q . R k = q . k, sum p R v = R sum p v).
+// then shares one conversion. A quantized row's values stay rotated; attention rotates the
+// query and its output instead (R q . R k = q . k, sum p R v = R sum p v).
 #pragma once
 
 #include <cstdint>
@@ -52,14 +53,20 @@ inline int64_t kv_values(KvFormat f, int64_t bytes) {
   return D > 0 && kv_row_bytes(f, D) == bytes ? D : -1;
 }
 
-// Values per block of I4's rotation (kv_quant.hadamard_block).
+// Whether rows are stored rotated (kv_quant.rotated).
+constexpr bool stored_rotated(KvFormat f) {
+  return f == KvFormat::I8 || f == KvFormat::FP8 || f == KvFormat::I4;
+}
+
+// Values per block of the rotation (kv_quant.hadamard_block).
 inline int64_t hadamard_block(int64_t D) { return D % 64 == 0 ? 64 : 32; }
 
 // x [D] <- hadamard(D) x in place: a normalized Walsh-Hadamard transform per block.
 void hadamard(float* x, int64_t D);
 
 // The row of D values x in format f at `row`, as kv_quant.quantize writes it: byte for byte,
-// except that I4's rotation may round differently from the reference's matrix product.
+// except that the quantized formats' rotation may round differently from the reference's
+// matrix product.
 void store_row(KvFormat f, const float* x, int64_t D, uint8_t* row);
 
 namespace detail {
@@ -80,7 +87,7 @@ KVSERVE_INLINE float e4m3_over_256(uint8_t b) {
 
 }  // namespace detail
 
-// out [D] <- the values of `row` (I4: still rotated).
+// out [D] <- the values of `row` (quantized ones still rotated).
 template <KvFormat F>
 inline void load_row(const uint8_t* row, int64_t D, float* out) {
   using namespace detail;

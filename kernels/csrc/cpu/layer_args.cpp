@@ -93,7 +93,8 @@ class NamedWeights {
 };
 
 // The layer's matrices must have the shapes of its heads and hidden size.
-LayerWeights layer_weights(NamedWeights named, int64_t hidden, int64_t head_dim) {
+LayerWeights layer_weights(NamedWeights named, int64_t hidden, int64_t head_dim,
+                           int64_t kv_heads) {
   LayerWeights w;
   w.input_norm = named.vector("input_norm", hidden, /*required=*/true);
   w.qkv = named.matrix("qkv");
@@ -105,6 +106,7 @@ LayerWeights layer_weights(NamedWeights named, int64_t hidden, int64_t head_dim)
   w.k_norm = named.vector("k_norm", head_dim);
   w.post_attention_norm = named.vector("post_attention_norm", hidden);
   w.post_mlp_norm = named.vector("post_mlp_norm", hidden);
+  w.k_offset = named.vector("k_offset", kv_heads * head_dim);
   named.check_all_taken();
   return w;
 }
@@ -197,7 +199,7 @@ LayerInputs layer_inputs(const LayerLists& lists, size_t l, int64_t T, int64_t H
               "cos/sin must be [T, head_dim]");
   NamedWeights named(lists.weight_names, lists.weights, lists.formats,
                      l * lists.weight_names.size());
-  return {layer_weights(std::move(named), H, D), c.data_ptr<float>(), s.data_ptr<float>(),
+  return {layer_weights(std::move(named), H, D, k_cache.size(2)), c.data_ptr<float>(), s.data_ptr<float>(),
           view_of(k_cache, v_cache, lists.block_tables[l], lists.windows[l]),
           attention_meta(lists, l, T, slots)};
 }

@@ -59,8 +59,8 @@ inline void check_paged(const at::Tensor& k_cache, const at::Tensor& v_cache,
   TORCH_CHECK(Hq % k.heads == 0 && v.heads == k.heads && k.dim == Dk,
               "head shapes do not match the cache");
   // MLA's values are a prefix of its key rows: rotated as rows of their own only so.
-  TORCH_CHECK(k.format != KvFormat::I4 || hadamard_block(k.dim) == hadamard_block(v.dim),
-              "int4 key and value rows must have the same rotation blocks");
+  TORCH_CHECK(!stored_rotated(k.format) || hadamard_block(k.dim) == hadamard_block(v.dim),
+              "quantized key and value rows must have the same rotation blocks");
 }
 
 // Caches checked by check_paged, read through block_tables.
