@@ -362,8 +362,8 @@ class TritonBackend(AttentionBackend):
         self._launch(self._attention.write_cache_launches(cache, rows, slots))
 
     def prefill(self, q, k, v, kv_cache, meta, scale):
-        # An int4 cache holds rotated rows: the query is rotated to meet them, the output back
-        # (torch matmuls around the launches, as in decode).
+        # A quantized cache holds rotated rows: the query is rotated to meet them, the output
+        # back (torch matmuls around the launches, as in decode).
         attention, (k_cache, v_cache) = self._attention, kv_cache
         out, launches = attention.prefill_launches(
             attention.rotated_query(q, k_cache), k, v, k_cache, v_cache, meta.block_tables,

@@ -28,9 +28,9 @@ Cache formats (``kernels.kv_quant``; the cache dtype names one, ``KV`` in the ke
     and their row scales applied to the scores (keys) and the probabilities (values), one
     multiply per key rather than per value; int4 tiles are scaled per group of 32 as they are
     unpacked, their columns in the order the two nibbles of a byte come out (value j, then
-    j + 16), which the query load and the output store follow. int4 rows are stored rotated:
-    the callers rotate the query before and the output after (``rotated_query``,
-    ``rotated_output``), so no row is rotated back.
+    j + 16), which the query load and the output store follow. Quantized rows are stored
+    rotated (``kv_quant.rotated``): the callers rotate the query before and the output after
+    (``rotated_query``, ``rotated_output``), so no row is rotated back.
   - dots run in the model's dtype (the query's) over a quantized cache, in the cache's dtype
     over a float one.
   - A prefill chunk's own keys and values are read as the cache gives them back: quantized into
@@ -137,7 +137,7 @@ def _write_quantized_kernel(
     BLOCK_D: tl.constexpr,
 ):
     """One token's row of one head into a byte cache, quantized as ``kv_quant.quantize`` does
-    (int4 rows arrive rotated). DIRECT: token t is slot t (``read_back_launches``). Its
+    (rows arrive rotated). DIRECT: token t is slot t (``read_back_launches``). Its
     divisions round as torch's do (``div_rn``: ``/`` is approximate on the GPU), and it is
     compiled without fused multiply-adds (``_quantize_launch``), which round once where torch
     rounds twice."""
@@ -821,13 +821,14 @@ def _dot_dtype(q: torch.Tensor, cache: torch.Tensor) -> torch.dtype:
 
 
 def rotated_query(q: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor:
-    """The query as the kernels take it: rotated like an int4 cache's keys, else as it is."""
+    """The query as the kernels take it: rotated like the keys of a cache that stores them
+    rotated, else as it is."""
     return kv_quant.rotate(q).to(q.dtype) if kv_quant.rotated(k_cache) else q
 
 
 def rotated_output(out: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The kernels' output rotated back where the values were stored rotated (int4, whose
-    output is float32), in ``dtype``."""
+    """The kernels' output rotated back where the values were stored rotated (an output then
+    float32), in ``dtype``."""
     return kv_quant.rotate(out).to(dtype) if kv_quant.rotated(v_cache) else out
 
 
@@ -968,8 +969,8 @@ def choose_num_splits(programs: int, max_context: int, sms: int) -> int:
 def write_cache_launches(
     cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor
 ) -> list[Launch]:
-    """What ``write_cache`` launches (nothing for no rows). int4 rows are rotated first, by a
-    matmul issued here."""
+    """What ``write_cache`` launches (nothing for no rows). Rows of a rotated format are
+    rotated first, by a matmul issued here."""
     num_tokens = rows.shape[0]
     if num_tokens == 0:
         return []
@@ -1095,8 +1096,8 @@ def decode_launches(
     sms: int | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output of ``decode_attention`` (not yet written) and the launches that fill it.
-    Over an int4 cache, q is rotated (``rotated_query``) and the output is too, in float32
-    (``rotated_output``)."""
+    Over a rotated format (``kv_quant.rotated``), q is rotated (``rotated_query``) and the
+    output is too, in float32 (``rotated_output``)."""
     batch, num_heads, dk = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     dv = kv_quant.value_dim(v_cache)
@@ -1176,7 +1177,7 @@ def prefill_launches(
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output of ``prefill_attention`` (not yet written) and the launches that fill it:
     those that quantize the chunk's keys and values as the cache would (``read_back_launches``),
-    then the attention. Over an int4 cache, q is rotated and the output is too, as in
+    then the attention. Over a rotated format, q is rotated and the output is too, as in
     ``decode_launches``."""
     block_tables = _rows_contiguous(block_tables)
     num_tokens, num_heads, dk = q.shape

@@ -10,8 +10,8 @@ entries past a sequence point at a block poisoned throughout. A read outside the
 positions turns the output into NaN.
 
 Tolerances follow what the kernels multiply in: the model's dtype over a quantized cache, the
-cache's over a float one. In float32, 1e-4 (both sides dequantize the same bytes exactly; int4
-adds the rotation of the query and the output, in float32). In 16 bits, 2e-2, as in
+cache's over a float one. In float32, 1e-4 (both sides dequantize the same bytes exactly; the
+kernels add the rotation of the query and the output, in float32). In 16 bits, 2e-2, as in
 ``test_attention``. The write kernel stores the reference's bytes exactly under the interpreter;
 on a GPU, where torch's CUDA kernels quantize the reference, 1% of the bytes may differ.
 """
@@ -146,7 +146,7 @@ CASES = [
     for dtype in (*QUANTIZED, *HALF)
     for name in LAYOUTS
 ]
-# A 16-bit model over quantized caches: dots in bf16, the int4 query and output rounded.
+# A 16-bit model over quantized caches: dots in bf16, the rotated query rounded to it.
 BF16_MODEL = [
     pytest.param(torch.int8, "gqa", id="int8-gqa"),
     pytest.param(torch.float8_e4m3fn, "ring", id="fp8-ring"),
