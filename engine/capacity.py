@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.args import auto_kv_dtype
 from engine.core.config import GIB, CacheConfig, split_memory
 from models.config import ModelConfig
 from models.fetch import resolve_model
@@ -99,12 +100,13 @@ def make_plan(
     MLA, the whole latent cache: every rank holds it)."""
     cfg = ModelConfig.from_dir(resolve_model(model))
     rank_cfg = shard_config(cfg, TPRank(0, tensor_parallel_size))
-    groups = model_class(cfg).kv_cache_groups(rank_cfg, kv_cache_dtype or dtype)
+    kv_dtype = kv_cache_dtype or auto_kv_dtype(dtype)
+    groups = model_class(cfg).kv_cache_groups(rank_cfg, kv_dtype)
     max_len = max_model_len or cfg.max_position_embeddings
     memory = int(kv_cache_memory_gib * GIB)
     cache = CacheConfig(groups, block_size, split_memory(groups, memory, block_size, max_len))
     weights = stored_weight_bytes(cfg, 4 if weight_dtype == "float32" else 2, quantization)
-    return Plan(cfg, kv_cache_dtype or dtype, memory, max_len, cache, tensor_parallel_size, weights)
+    return Plan(cfg, kv_dtype, memory, max_len, cache, tensor_parallel_size, weights)
 
 
 def format_plan(plan: Plan) -> str:

@@ -20,7 +20,8 @@ groups' scales (int4) then fit the other values better. Attention may rotate the
 and the output (values) instead of each cached row: (R q).(R k) = q.k, sum p R v = R sum p v.
 
 int8 and fp8: x = scale * q, the scale the rotated row's largest magnitude over 127 (448 for
-e4m3), q = round-half-even(x * 127 / max) (e4m3: x * 448 / max cast to e4m3, saturated).
+e4m3), q = round-half-even(x * inv) (e4m3: x * inv cast to e4m3, saturated), inv = 127 / max
+as torch divides a number by a tensor: (1 / max) * 127, rounded twice.
 
 int4: each group of 32 rotated values is stored as llama.cpp's Q4_0 stores a block: d the
 signed value of largest magnitude over -8, byte j holding q_j (low nibble) and q_{j+16} (high),
@@ -107,6 +108,8 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
 
 def _scale_bytes(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[..., 1] float32 -> [..., 4] of ``dtype``, the same bytes."""
+    if scale.numel() == 0:  # no rows: nothing to reinterpret (and no strides to do it with)
+        return torch.empty(*scale.shape[:-1], SCALE_BYTES, dtype=dtype, device=scale.device)
     flat = scale.float().contiguous().view(torch.uint8)  # [..., 4]
     return flat.reshape(*scale.shape[:-1], SCALE_BYTES).view(dtype)
 

@@ -40,7 +40,9 @@ def tiny(tmp_path_factory):
 
 
 def base_args(path) -> EngineArgs:
-    return EngineArgs(model=str(path), dtype="float32", device="cpu", block_size=BLOCK)
+    return EngineArgs(
+        model=str(path), dtype="float32", kv_cache_dtype="float32", device="cpu", block_size=BLOCK
+    )
 
 
 def plain_logprobs(model, seq: list[int]) -> torch.Tensor:
@@ -112,7 +114,8 @@ def test_scoring_decides_as_serving_does(tiny, choice):
     """Forcing the tokens a served request generated repeats its every decision and score."""
     path, _ = tiny
     prompt = random_prompt(LIMIT - CHUNK, VOCAB, seed=3)
-    served_llm = LLM(str(path), dtype="float32", device="cpu", block_size=BLOCK,
+    served_llm = LLM(str(path), dtype="float32", kv_cache_dtype="float32", device="cpu",
+                     block_size=BLOCK,
                      max_model_len=LIMIT, num_kv_blocks=32)  # fmt: skip
     serve = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True, logprobs=0,
                            overflow=choice)  # fmt: skip
@@ -163,7 +166,7 @@ def test_the_command_writes_its_table_and_plot(smollm2_dir, tmp_path):
     code = tune.main([
         "--model", str(smollm2_dir), "--objective", "quality", "--text", str(text),
         "--max-model-len", "64", "--text-tokens", "160", "--chunk", "16", "--block-size", "8",
-        "--n-keep", "0,4", "--out", str(out),
+        "--n-keep", "0,4", "--kv-cache-dtype", "float32", "--out", str(out),
     ])  # fmt: skip
     assert code == 0
     table = (out / "quality.md").read_text()

@@ -29,6 +29,7 @@ def _llm(path, **kw) -> LLM:
         num_kv_blocks=160,
         block_size=16,
         max_num_batched_tokens=96,
+        kv_cache_dtype="float32",  # transformers' float32 keys and values
         **kw,
     )
 

@@ -57,7 +57,14 @@ def shift_once(llm: LLM, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def assert_layer0_rows_equal_a_fresh_prefill(model_dir, llm: LLM, cached: list[int], **kw):
-    fresh = LLM(str(model_dir), device="cpu", dtype="float32", block_size=BLOCK, **kw)
+    fresh = LLM(
+        str(model_dir),
+        device="cpu",
+        dtype="float32",
+        kv_cache_dtype="float32",
+        block_size=BLOCK,
+        **kw,
+    )
     fresh.engine.add_request("fresh", cached, greedy(2))
     fresh.engine.step()
     got, pos = cached_rows(llm, "shifted", 0)
@@ -94,7 +101,8 @@ def tiny_gemma3(tmp_path_factory):
 
 def test_shift_of_an_mla_cache_rotates_only_the_rope_tail(tiny_deepseek):
     kw = dict(max_model_len=64, num_kv_blocks=8)
-    llm = LLM(str(tiny_deepseek), device="cpu", dtype="float32", block_size=BLOCK,
+    llm = LLM(str(tiny_deepseek), device="cpu", dtype="float32", kv_cache_dtype="float32",
+              block_size=BLOCK,
               context_overflow="shift", **kw)  # fmt: skip
     cached = shift_once(llm, random_prompt(40, 128), max_tokens=120)
     assert len(cached) == 63 - 32 + 1  # keep 16, drop 32 of 63 cached, then one more
@@ -105,7 +113,8 @@ def test_shift_of_an_mla_cache_rotates_only_the_rope_tail(tiny_deepseek):
 def test_shift_of_a_wrapped_ring_keeps_its_window_in_place(tiny_gemma3):
     # window 32, block 16: a ring of 3 blocks, wrapped long before max_model_len 96.
     kw = dict(max_model_len=96, num_kv_blocks=12)
-    llm = LLM(str(tiny_gemma3), device="cpu", dtype="float32", block_size=BLOCK,
+    llm = LLM(str(tiny_gemma3), device="cpu", dtype="float32", kv_cache_dtype="float32",
+              block_size=BLOCK,
               context_overflow="shift", **kw)  # fmt: skip
     assert llm.engine.runner.groups[0].spec.window == 32
     cached = shift_once(llm, random_prompt(50, 256), max_tokens=200)
@@ -119,7 +128,8 @@ def test_shift_of_a_wrapped_ring_keeps_its_window_in_place(tiny_gemma3):
 def test_shift_by_part_of_a_ring_turns_its_table(tiny_gemma3):
     # Two blocks of a ring of three: position p - 32 is now looked up one entry further on.
     kw = dict(max_model_len=96, num_kv_blocks=12)
-    llm = LLM(str(tiny_gemma3), device="cpu", dtype="float32", block_size=BLOCK,
+    llm = LLM(str(tiny_gemma3), device="cpu", dtype="float32", kv_cache_dtype="float32",
+              block_size=BLOCK,
               context_overflow="shift", context_n_discard=32, **kw)  # fmt: skip
     cached = shift_once(llm, random_prompt(50, 256, seed=1), max_tokens=200)
     assert len(cached) == 95 - 32 + 1
@@ -133,7 +143,8 @@ def test_shift_by_part_of_a_ring_turns_its_table(tiny_gemma3):
 @pytest.mark.slow
 def test_shifted_llama_cache_equals_a_fresh_prefill_at_new_positions(smollm2_dir):
     kw = dict(max_model_len=128, num_kv_blocks=10)
-    llm = LLM(str(smollm2_dir), device="cpu", dtype="float32", block_size=BLOCK,
+    llm = LLM(str(smollm2_dir), device="cpu", dtype="float32", kv_cache_dtype="float32",
+              block_size=BLOCK,
               context_overflow="shift", context_n_keep=20, **kw)  # fmt: skip
     prompt = llm.tokenizer.encode("The city began as a small fishing village by the sea. " * 12)
     cached = shift_once(llm, prompt[:110], max_tokens=40)

@@ -70,8 +70,9 @@ def drafts(tiny_llama_dir, other_llama_dir, small_vocab_llama_dir):
 
 
 def make(model_dir, spec: dict | None = None, k: int | None = 4, **kw) -> LLM:
+    # float32 keys and values: a row a prefill reads back then equals the one a decode wrote.
     args = dict(num_kv_blocks=64, block_size=BLOCK, max_num_batched_tokens=256, device="cpu",
-                dtype="float32")  # fmt: skip
+                dtype="float32", kv_cache_dtype="float32")  # fmt: skip
     if spec is not None:
         args.update(spec, num_speculative_tokens=k)
     return LLM(str(model_dir), **{**args, **kw})

@@ -36,7 +36,7 @@ def make_checkpoint(path, **overrides):
 
 def engine(path, **kw) -> LLM:
     args = dict(max_model_len=192, num_kv_blocks=48, block_size=16, device="cpu")
-    return LLM(str(path), dtype="float32", **{**args, **kw})
+    return LLM(str(path), dtype="float32", kv_cache_dtype="float32", **{**args, **kw})
 
 
 def reference_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:

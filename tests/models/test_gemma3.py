@@ -142,6 +142,7 @@ def test_window_edges_and_self_wrapping_chunks_match_transformers(tiny):
     prompts = [random_prompt(n, TINY_VOCAB, seed) for seed, n in enumerate(lengths)]
     llm = LLM(
         str(path),
+        kv_cache_dtype="float32",
         max_model_len=1024,
         num_kv_blocks=128,
         block_size=BLOCK,
@@ -163,6 +164,7 @@ def test_3000_token_sequence_holds_at_most_ring_len_local_blocks(tiny):
     path, hf = tiny
     llm = LLM(
         str(path),
+        kv_cache_dtype="float32",
         max_model_len=4096,
         num_kv_blocks=400,
         block_size=BLOCK,
@@ -221,6 +223,7 @@ def test_long_prompt_and_concurrent_short_ones_equal_transformers(gemma3_dir):
     three short prompts prefill and decode in the same steps."""
     llm = LLM(
         str(gemma3_dir),
+        kv_cache_dtype="float32",
         max_model_len=2048,
         num_kv_blocks=300,
         block_size=BLOCK,

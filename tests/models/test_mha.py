@@ -34,6 +34,7 @@ def test_mha_logits_and_greedy_tokens_match_transformers(checkpoint, monkeypatch
     llm = LLM(
         str(path),
         dtype="float32",
+        kv_cache_dtype="float32",
         device="cpu",
         max_model_len=128,
         num_kv_blocks=32,

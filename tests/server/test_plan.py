@@ -58,18 +58,26 @@ def expected_row(bytes_per_token: int, gib: float, block_size: int, max_len: int
     return blocks, blocks * block_size, blocks // -(-max_len // block_size)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_llama_plan_is_k_and_v_per_kv_head_per_layer(llama_dir, dtype, capsys):
-    per_token = 2 * 2 * 16 * DTYPE_BYTES[dtype] * 3  # K and V x kv_heads x head_dim x layers
-    assert main(["--model", str(llama_dir), "--kv-cache-memory", "0.25", "--dtype", dtype]) == 0
+@pytest.mark.parametrize(
+    ("dtype", "kv", "stored", "row_bytes"),
+    [("float32", "float32", "float32", 64), ("bfloat16", "auto", "bfloat16", 32),
+     ("float32", "auto", "float16", 32), ("float32", "int8", "int8", 16 + 4)],
+)  # fmt: skip
+def test_llama_plan_is_k_and_v_per_kv_head_per_layer(llama_dir, dtype, kv, stored, row_bytes,
+                                                     capsys):  # fmt: skip
+    """``row_bytes``: a head's row of 16 values (int8: and its float32 scale)."""
+    per_token = 2 * 2 * row_bytes * 3  # K and V x kv_heads x layers
+    flags = ["--model", str(llama_dir), "--kv-cache-memory", "0.25", "--dtype", dtype]
+    assert main([*flags, "--kv-cache-dtype", kv]) == 0
     out = capsys.readouterr().out
-    (row,) = make_plan(str(llama_dir), 0.25, dtype=dtype).rows
+    plan_kv = None if kv == "auto" else kv
+    (row,) = make_plan(str(llama_dir), 0.25, dtype=dtype, kv_cache_dtype=plan_kv).rows
     blocks, tokens, seqs = expected_row(per_token, 0.25, 16, 1024)
     assert (row.bytes_per_token, row.num_blocks, row.tokens) == (per_token, blocks, tokens)
     assert row.max_seqs_at_full_len == seqs
     line = next(line for line in out.splitlines() if line.startswith("FullAttentionSpec"))
     row = ["3", f"{per_token:,}", str(blocks), f"{tokens:,}", str(seqs)]
-    assert line.split()[1:] == [dtype, *row]
+    assert line.split()[1:] == [stored, *row]
     assert f"bytes/token: {per_token:,} (3 x {per_token // 3:,} FullAttentionSpec)" in out
 
 
@@ -111,9 +119,9 @@ def test_deepseek_plan_is_one_latent_row_per_layer(deepseek_dir, dtype, capsys):
     assert not list(deepseek_dir.glob("*.safetensors"))  # the plan needs no weights
     per_token = (32 + 8) * DTYPE_BYTES[dtype] * 2  # (kv_lora_rank + rope) x layers
     args = ["--model", str(deepseek_dir), "--kv-cache-memory", "0.25", "--max-model-len", "200"]
-    assert main([*args, "--dtype", dtype, "--block-size", "32"]) == 0
+    assert main([*args, "--dtype", dtype, "--kv-cache-dtype", dtype, "--block-size", "32"]) == 0
     out = capsys.readouterr().out
-    (row,) = make_plan(str(deepseek_dir), 0.25, 200, 32, dtype).rows
+    (row,) = make_plan(str(deepseek_dir), 0.25, 200, 32, dtype, kv_cache_dtype=dtype).rows
     blocks, tokens, seqs = expected_row(per_token, 0.25, 32, 200)
     assert (row.kind, row.num_layers, row.bytes_per_token) == ("MLASpec", 2, per_token)
     assert (row.num_blocks, row.tokens, row.max_seqs_at_full_len) == (blocks, tokens, seqs)

@@ -31,6 +31,7 @@ def real_server(model_dir) -> Iterator[tuple[object, str]]:
     args = EngineArgs(
         model=str(model_dir),
         device="cpu",
+        kv_cache_dtype="float32",  # scored as transformers' float32 forward scores
         max_model_len=MAX_MODEL_LEN,
         num_kv_blocks=NUM_KV_BLOCKS,
         max_num_seqs=8,

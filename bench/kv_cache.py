@@ -1,0 +1,211 @@
+"""KV-cache dtypes: what each costs in quality against float32 keys and values, side by side
+with llama.cpp's cache types on the same GGUF file and text, and what it buys in capacity and
+speed.
+
+    python -m bench.kv_cache [--model qwen2.5-coder-0.5b-instruct] [--tokens 2048]
+        [--dtypes float32,float16,bfloat16,int8,fp8_e4m3,int4] [--peer-types f16,q8_0,q4_0]
+        [--skip-speed] [--out PREFIX]
+
+- Quality: the first ``--tokens`` tokens of the text in one context, teacher forced; the rows
+  of its second half count, as ``llama-perplexity`` scores one chunk of ``-c --tokens``:
+  perplexity, mean and 99th-percentile KL divergence and top-1 agreement against the
+  float32-KV run (``quality.kv_dtype_costs``). llama.cpp: ``llama-perplexity --chunks 1 -fa on``
+  with ``-ctk/-ctv f32`` saving the base logits, then each type with ``--kl-divergence``.
+- Capacity: the bytes one token holds in all layers, against float32's.
+- Decode at 4k context, 8 concurrent: 8 prompts of 4096 tokens are prefilled once; then the same
+  prompts (their blocks found in the prefix cache) generate 64 tokens each, three times: output
+  tok/s, median.
+- A fixed 256 MiB pool and 16 concurrent requests of 1536 + 512 tokens: total output tok/s and
+  preemptions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from bench import quality
+from bench.cpu import PEERS, cpu_model
+from engine import LLM, SamplingParams
+from engine.args import EngineArgs
+from models.fetch import resolve_model
+from models.tokenizer import Tokenizer
+
+DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "int4")
+PEER_TYPES = ("f16", "q8_0", "q4_0")
+NUMBER = r"(-?[\d.]+(?:e[-+]?\d+)?)"  # as llama-perplexity prints them
+GGUF = {"qwen2.5-coder-0.5b-instruct": "qwen2.5-coder-0.5b-instruct.gguf"}
+
+
+def peer_quality(gguf: Path, text: Path, n_ctx: int, types: list[str]) -> dict[str, dict]:
+    """llama-perplexity's PPL, mean and p99 KLD and same-top share per cache type."""
+    binary = PEERS / "llama-build" / "bin" / "llama-perplexity"
+    common = [str(binary), "-m", str(gguf), "-f", str(text), "-c", str(n_ctx), "--chunks", "1",
+              "-t", "2", "-fa", "on"]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        base = str(Path(tmp) / "base.kld")
+        out = _run(common + ["-ctk", "f32", "-ctv", "f32", "--kl-divergence-base", base])
+        results = {"f32": {"ppl": _number(r"Final estimate: PPL = " + NUMBER, out)}}
+        for t in types:
+            args = ["-ctk", t, "-ctv", t, "--kl-divergence-base", base, "--kl-divergence"]
+            out = _run(common + args)
+            results[t] = {
+                "ppl": _number(r"Mean PPL\(Q\)\s*:\s*" + NUMBER, out),
+                "kld": _number(r"Mean\s+KLD:\s*" + NUMBER, out),
+                "kld_p99": _number(r"99\.0%\s+KLD:\s*" + NUMBER, out),
+                "top1": _number(r"Same top p:\s*" + NUMBER, out) / 100,
+            }
+    return results
+
+
+def _run(cmd: list[str]) -> str:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:1])} failed: {done.stderr[-2000:]}")
+    return done.stdout + done.stderr
+
+
+def _number(pattern: str, text: str) -> float:
+    m = re.search(pattern, text)
+    if m is None:
+        raise RuntimeError(f"llama-perplexity printed no {pattern!r}")
+    return float(m.group(1))
+
+
+def prompts_of(ids: list[int], n: int, length: int) -> list[list[int]]:
+    """``n`` prompts of ``length`` tokens from the text, each starting elsewhere."""
+    stride = max(1, (len(ids) - length) // max(1, n - 1))
+    return [ids[i * stride : i * stride + length] for i in range(n)]
+
+
+def decode_speed(base: EngineArgs, ids: list[int], kv: str, repeats: int = 3) -> float:
+    """Output tok/s of 8 sequences decoding 64 tokens each over 4096-token contexts."""
+    args = dataclasses.replace(base, kv_cache_dtype=kv, kv_cache_memory_gib=1.0,
+                               max_model_len=4224, max_num_batched_tokens=2048)  # fmt: skip
+    llm = LLM(**dataclasses.asdict(args))
+    prompts = prompts_of(ids, 8, 4096)
+    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0))
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+def small_pool(base: EngineArgs, ids: list[int], kv: str) -> dict:
+    """16 requests of 1536 prompt + 512 output tokens at once in a 256 MiB pool."""
+    args = dataclasses.replace(base, kv_cache_dtype=kv, kv_cache_memory_gib=0.25,
+                               max_model_len=2048, max_num_batched_tokens=2048)  # fmt: skip
+    llm = LLM(**dataclasses.asdict(args))
+    params = SamplingParams(max_tokens=512, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts_of(ids, 16, 1536), params)
+    wall = time.perf_counter() - start
+    registry = llm.engine.metrics.registry
+    preempted = registry.get_sample_value("kvserve:num_preemptions_total", {"mode": "recompute"})
+    return {
+        "tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / wall,
+        "preemptions": int(preempted or 0),
+        "seqs_fit": llm.engine.cache_config.num_blocks[0] * args.block_size // 2048,
+        "wall_s": wall,
+    }
+
+
+def report(args, costs, peer, capacity, decode, pool) -> str:
+    n = args.tokens
+    lines = [
+        f"# KV-cache dtypes on {args.model}",
+        "",
+        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {cpu_model()}, 2 threads; "
+        f"`python -m bench.kv_cache {' '.join(args.argv)}`",
+        "",
+        f"Quality: the first {n} tokens of `{args.text}`, rows {n // 2 + 1}..{n - 1} (the "
+        f"second half, as `llama-perplexity -c {n} --chunks 1` scores), against float32 K/V.",
+        "",
+        "| server | KV dtype | bytes/token | vs float32 | perplexity | mean KLD | p99 KLD | "
+        "top-1 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    fp32 = capacity["float32"]
+    for kv, c in costs.items():
+        lines.append(
+            f"| kvserve | {kv} | {capacity[kv]:,} | {fp32 / capacity[kv]:.2f}x | {c.ppl:.4f} | "
+            f"{c.kld_mean:.2e} | {c.kld_p99:.2e} | {c.top1:.2%} |"
+        )
+    for t, r in peer.items():
+        kld = (
+            f"{r['kld']:.2e} | {r['kld_p99']:.2e} | {r['top1']:.2%}" if "kld" in r else "- | - | -"
+        )
+        lines.append(f"| llama.cpp | {t} | | | {r['ppl']:.4f} | {kld} |")
+    if decode:
+        head = "Decode, 8 sequences at 4096 tokens of context, 64 tokens each (median of 3):"
+        lines += ["", head, "", "| KV dtype | output tok/s | vs float32 |", "|---|---|---|"]
+        for kv, r in decode.items():
+            lines.append(f"| {kv} | {r:.1f} | {r / decode['float32']:.2f}x |")
+    if pool:
+        lines += ["", "A 256 MiB pool, 16 requests of 1536 + 512 tokens at once:", "",
+                  "| KV dtype | 2k-token sequences that fit | preemptions | output tok/s | "
+                  "vs float32 |", "|---|---|---|---|---|"]  # fmt: skip
+        for kv, r in pool.items():
+            lines.append(
+                f"| {kv} | {r['seqs_fit']} | {r['preemptions']} | {r['tok_s']:.1f} | "
+                f"{r['tok_s'] / pool['float32']['tok_s']:.2f}x |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.kv_cache", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--text", default="alice")
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--dtypes", default=",".join(DTYPES))
+    p.add_argument("--peer-types", default=",".join(PEER_TYPES))
+    p.add_argument("--speed-dtypes", default="float32,float16,int8,int4")
+    p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--out", default=None, help="results file prefix (.md)")
+    args = p.parse_args(argv)
+    args.argv = argv if argv is not None else __import__("sys").argv[1:]
+    path = resolve_model(args.model)
+    text = quality.load_text(args.text)
+    ids = Tokenizer.from_dir(path).encode(text)
+    base = EngineArgs(model=str(path), max_model_len=args.tokens + 16)
+    dtypes = args.dtypes.split(",")
+    peer = {}
+    if args.peer_types and args.model in GGUF:
+        with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+            f.write(text)
+            f.flush()
+            peer = peer_quality(PEERS / "gguf" / GGUF[args.model], Path(f.name), args.tokens,
+                                args.peer_types.split(","))  # fmt: skip
+        print(peer, flush=True)
+    costs = quality.kv_dtype_costs(base, ids[: args.tokens], dtypes,
+                                   rows=range(args.tokens // 2 + 1, args.tokens))  # fmt: skip
+    print(costs, flush=True)
+    from engine.capacity import make_plan
+
+    capacity = {kv: make_plan(str(path), 1, 4096, 16, "float32", kv_cache_dtype=kv).bytes_per_token
+                for kv in dtypes}  # fmt: skip
+    decode, pool = {}, {}
+    if not args.skip_speed:
+        for kv in args.speed_dtypes.split(","):
+            decode[kv] = decode_speed(base, ids, kv)
+            pool[kv] = small_pool(base, ids, kv)
+    text_out = report(args, costs, peer, capacity, decode, pool)
+    print(text_out)
+    if args.out:
+        Path(args.out).with_suffix(".md").write_text(text_out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
