@@ -7,6 +7,11 @@ under the ``architectures`` string of its config.json. Attention goes through
 the model never sees block tables. Projections that read the same input are packed into one
 module when the checkpoint is loaded (``packed_modules_mapping``). Tests compare the new class
 with transformers' own on the same weights (tests/models/).
+
+Optional: ``center_cached_keys() -> bool``, called once when the KV cache is quantized: from
+then on the model caches its keys less a constant per layer and KV head (``cached_key_rope``
+then carries it as ``offset``), so that a quantized row's scale spans less (``models/llama.py``
+for Qwen2's key bias).
 """
 
 from __future__ import annotations

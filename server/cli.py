@@ -120,16 +120,19 @@ def log_startup(engine: AsyncEngine, served_model_name: str) -> None:
     )
 
 
-def check_model(model: str) -> None:
+def check_model(args: EngineArgs) -> None:
     """Resolve and read the model before any engine starts, so a wrong ``--model`` (a GGUF file,
-    a folder without config.json, an unknown architecture) is one line, not a traceback from
-    deep in the engine (or from every tensor-parallel rank)."""
+    a folder without config.json, an unknown architecture) or a KV dtype its cache rows cannot
+    take is one line, not a traceback from deep in the engine (or from every tensor-parallel
+    rank)."""
     from models.config import ModelConfig
     from models.fetch import resolve_model
     from models.loader import model_class
 
     try:
-        model_class(ModelConfig.from_dir(resolve_model(model)))
+        cfg = ModelConfig.from_dir(resolve_model(args.model))
+        kv_dtype = args.runner_config(cfg).kv_dtype
+        sum(g.bytes_per_token for g in model_class(cfg).kv_cache_groups(cfg, kv_dtype))
     except (ValueError, OSError, RuntimeError) as e:
         fail("serve", e)
 
@@ -206,7 +209,7 @@ def serve_command(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> in
         launch = launched(args.tensor_parallel_size)
     except ValueError as e:
         fail("serve", e)
-    check_model(args.model)
+    check_model(args)
     if launch is not None and launch.tp.rank > 0:  # started by torchrun: rank 0 serves
         run_rank(args.runner_config(), launch)
         return 0

@@ -111,3 +111,12 @@ def test_plan_of_a_gguf_file_of_an_unknown_architecture(phi3_gguf, capsys, tmp_p
 def test_bad_engine_flags_are_one_line_too(capsys):
     line = fails(["serve", "--model", "m", "--block-size", "3"], capsys)
     assert line.startswith("kvserve serve: ") and "block_size" in line
+
+
+def test_a_kv_dtype_the_models_heads_cannot_take_is_one_line(tiny_llama_dir, capsys):
+    """int4 groups 32 values per scale; the tiny Llama's heads have 16."""
+    for command in (["serve"], ["plan", "--kv-cache-memory", "1"]):
+        line = fails([*command, "--model", str(tiny_llama_dir), "--kv-cache-dtype", "int4"], capsys)
+        assert line == (
+            f"kvserve {command[0]}: an int4 KV cache needs head sizes that are multiples of 32: 16"
+        )
