@@ -138,8 +138,8 @@ def report(args, costs, peer, capacity, decode, pool) -> str:
     fp32 = capacity["float32"]
     for kv, c in costs.items():
         lines.append(
-            f"| kvserve | {kv} | {capacity[kv]:,} | {fp32 / capacity[kv]:.2f}x | {c.perplexity:.4f} | "
-            f"{c.kld_mean:.2e} | {c.kld_p99:.2e} | {c.top1:.2%} |"
+            f"| kvserve | {kv} | {capacity[kv]:,} | {fp32 / capacity[kv]:.2f}x | "
+            f"{c.perplexity:.4f} | {c.kld_mean:.2e} | {c.kld_p99:.2e} | {c.top1:.2%} |"
         )
     for t, r in peer.items():
         kld = (
