@@ -7,6 +7,7 @@ from torch import nn
 
 from kernels.paged import ForwardContext
 from kernels.rotary import RopeLayout
+from kernels.weights import Weight
 from models.config import ModelConfig
 from models.kv_spec import FullAttentionSpec, KVCacheGroup
 from models.layers import (
@@ -66,12 +67,15 @@ class LlamaAttention(nn.Module):
         softmax, so attention, is unchanged. Qwen2's key bias puts offsets of up to ~150
         on a few slowly rotating channels, which a quantized row's one scale must then span;
         without them the row's values need a fraction of the range."""
-        parts = self.qkv_proj.parts if hasattr(self.qkv_proj, "parts") else [self.qkv_proj]
-        if all(p.bias is None for p in parts):
+        m = self.qkv_proj
+        parts = getattr(m, "parts", None) or (Weight(m.weight, m.bias),)  # block formats, dense
+        biases = [p.bias for p in parts]
+        if all(b is None for b in biases):
             return None
+        device = next(b for b in biases if b is not None).device
         bias = torch.cat([
-            p.bias.float() if p.bias is not None else torch.zeros(p.out_features)
-            for p in parts
+            b.float() if b is not None else torch.zeros(p.out_features, device=device)
+            for b, p in zip(biases, parts)
         ])  # fmt: skip
         nq, nk, _ = self.qkv_sizes
         b = bias[nq : nq + nk].view(self.num_kv_heads, self.head_dim)
