@@ -26,6 +26,7 @@ import dataclasses
 import re
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from datetime import datetime, timezone
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--out", default=None, help="results file prefix (.md)")
     args = p.parse_args(argv)
-    args.argv = argv if argv is not None else __import__("sys").argv[1:]
+    args.argv = argv if argv is not None else sys.argv[1:]
     path = resolve_model(args.model)
     text = quality.load_text(args.text)
     ids = Tokenizer.from_dir(path).encode(text)

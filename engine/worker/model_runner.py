@@ -52,8 +52,6 @@ class ModelRunner:
         )
         self.cpu_kernels = self._cpu_kernels(self.backend.prepare(self.model))
         self.groups: list[KVCacheGroup] = self.model.kv_cache_groups(model_config, config.kv_dtype)
-        # Raises here, at start-up, where the cache dtype cannot store a layout's rows.
-        self.kv_bytes_per_token = sum(g.bytes_per_token for g in self.groups)
         layer_to_group = [0] * model_config.num_layers
         for gi, g in enumerate(self.groups):
             for layer in g.layer_ids:

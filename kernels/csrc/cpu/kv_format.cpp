@@ -40,7 +40,10 @@ float largest_magnitude(const float* x, int64_t D) {
 // it. (torch computes top / amax as reciprocal(amax) * top, which rounds twice.)
 template <class Cast>
 void store_scaled(const float* values, int64_t D, float top, uint8_t* row, Cast cast) {
-  std::vector<float> turned(values, values + D);
+  // A thread's scratch row, kept from write to write: a cache write is one row per new token,
+  // KV head and layer.
+  thread_local std::vector<float> turned;
+  turned.assign(values, values + D);
   hadamard(turned.data(), D);
   const float* x = turned.data();
   const float amax = largest_magnitude(x, D);
