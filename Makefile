@@ -38,3 +38,18 @@ lint: install
 format: install
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
+
+# NVIDIA's kvpress for bench/kvpress_peer.py, in an environment of its own: it needs
+# transformers below 5.3, the main one has a newer one.
+KVPRESS_VENV := .venv-kvpress
+
+.PHONY: kvpress
+$(KVPRESS_VENV)/.installed:
+	python3.11 -m venv $(KVPRESS_VENV)
+	$(KVPRESS_VENV)/bin/pip install -q --upgrade pip
+	# The CPU wheel first; an unpinned torch would pull the CUDA build.
+	$(KVPRESS_VENV)/bin/pip install -q torch==2.13.0
+	$(KVPRESS_VENV)/bin/pip install -q kvpress==0.5.5 transformers==5.2.0 gguf==0.19.0
+	touch $@
+
+kvpress: $(KVPRESS_VENV)/.installed
