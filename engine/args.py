@@ -14,7 +14,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.core.context_overflow import CONTEXT_POLICIES, DEFAULT_POLICY, ContextOverflow
+from engine.core.context_overflow import (
+    CONTEXT_POLICIES,
+    DEFAULT_POLICY,
+    SCORED_POLICIES,
+    ContextOverflow,
+)
 from engine.core.preemption import PREEMPTION_MODES
 from engine.core.speculation import SPECULATIVE_METHODS, SpeculativeConfig
 from engine.worker.config import RunnerConfig, resolve_device
@@ -122,7 +127,9 @@ class EngineArgs:
     context_overflow: str = setting(
         DEFAULT_POLICY,
         "when prompt + generation reach --max-model-len: error (400), truncate the prompt, "
-        "stop (finish_reason length), shift the cache (llama.cpp), sink (StreamingLLM)",
+        "stop (finish_reason length), shift the cache (llama.cpp), sink (StreamingLLM), or "
+        "evict the least important cached tokens: snapkv, h2o (attention they drew), knorm "
+        "(key norm)",
         choices=CONTEXT_POLICIES,
         group=OVERFLOW,
     )
@@ -131,6 +138,19 @@ class EngineArgs:
     )
     context_n_discard: int | None = setting(
         None, "tokens a shift discards", group=OVERFLOW, when_none="half the rest; sink: one block"
+    )
+    kv_budget: int = setting(
+        0,
+        "most tokens an importance policy (snapkv, h2o, knorm) lets one sequence cache: a "
+        "longer prompt is compressed to it when its prefill ends, and decoding evicts back to "
+        "it each time it has added a block; 0: no budget",
+        group=OVERFLOW,
+    )
+    kv_scores: bool = setting(
+        False,
+        "keep an importance score beside each cached token (4 bytes per KV head and layer), so "
+        "that requests may choose snapkv or h2o; on whenever --context-overflow is one of them",
+        group=OVERFLOW,
     )
     preemption_mode: str = setting(
         "recompute",
@@ -234,7 +254,15 @@ class EngineArgs:
 
     def default_overflow(self) -> ContextOverflow:
         """The server's context-overflow choice, which a request's ``overflow`` replaces."""
-        return ContextOverflow(self.context_overflow, self.context_n_keep, self.context_n_discard)
+        return ContextOverflow(
+            self.context_overflow, self.context_n_keep, self.context_n_discard,
+            self.kv_budget or None,
+        )  # fmt: skip
+
+    @property
+    def scores_kept(self) -> bool:
+        """Whether the cache keeps importance scores (``kv_scores``)."""
+        return self.kv_scores or self.context_overflow in SCORED_POLICIES
 
     def runner_config(
         self, model_config: ModelConfig | None = None, eos_token_ids: tuple[int, ...] = ()
@@ -256,6 +284,7 @@ class EngineArgs:
             eos_token_ids,
             self.quantization,
             self.kv_dtype(dtype),
+            self.scores_kept,
         )
 
     def kv_dtype(self, dtype: str) -> str:

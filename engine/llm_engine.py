@@ -12,6 +12,8 @@ from engine.args import EngineArgs
 from engine.capacity import format_capacity
 from engine.core.config import GIB, CacheConfig, SchedulerConfig, split_memory
 from engine.core.context_overflow import (
+    IMPORTANCE_POLICIES,
+    SCORED_POLICIES,
     ContextPolicy,
     ContextState,
     Drop,
@@ -205,7 +207,12 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------------
 
     def context_policy(self, params: SamplingParams) -> ContextPolicy:
-        return context_policy(params.overflow or self.default_overflow)
+        """A request's policy; an importance policy without a budget of its own takes the
+        server's."""
+        choice, default = params.overflow or self.default_overflow, self.default_overflow
+        if choice.kv_budget is None and choice.policy in IMPORTANCE_POLICIES:
+            choice = replace(choice, kv_budget=default.kv_budget)
+        return context_policy(choice, self.cache_config.block_size)
 
     def admit(self, prompt_token_ids: list[int], params: SamplingParams) -> Admitted:
         """Decides once, before any work, whether the engine takes the request: raises
@@ -214,6 +221,14 @@ class LLMEngine:
         the HTTP thread may call it while the engine thread steps."""
         self._check_request(prompt_token_ids, params)
         policy = self.context_policy(params)
+        if policy.name in SCORED_POLICIES and not self.runner.config.kv_scores:
+            raise RequestError(
+                f"overflow policy {policy.name!r} reads importance scores this server does not "
+                "keep; start it with --kv-scores (or --context-overflow snapkv|h2o), or choose "
+                "knorm.",
+                param="overflow.policy",
+                code="invalid_overflow",
+            )
         decision = policy.admit(self._prompt_state(len(prompt_token_ids), params))
         if isinstance(decision, Reject):
             self.metrics.refused(decision.code, policy.name)

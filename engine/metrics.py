@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from engine.capacity import capacity
 from engine.core.config import CacheConfig
-from engine.core.context_overflow import CONTEXT_POLICIES
+from engine.core.context_overflow import CONTEXT_POLICIES, IMPORTANCE_POLICIES
 from engine.core.request import Request
 from engine.core.scheduler import SchedulerEvents
 from engine.core.speculation import SpeculativeConfig
@@ -120,6 +120,17 @@ class EngineMetrics:
             "KV blocks copied to (out) or back from (in) the host swap pool.",
             ("direction",),
         )
+        self.kv_evictions = counter(
+            "kv_evictions",
+            "Importance evictions (a sequence's cache compacted to its most important tokens), "
+            "by policy.",
+            ("policy",),
+        )
+        self.kv_evicted_tokens = counter(
+            "kv_evicted_tokens",
+            "Cached tokens given up by importance evictions, by policy.",
+            ("policy",),
+        )
 
     def _speculation_counters(self, counter) -> None:
         self.spec_draft_tokens = counter(
@@ -146,6 +157,8 @@ class EngineMetrics:
             (self.preemptions, PREEMPTION_MODES),
             (self.context_overflows, CONTEXT_POLICIES),
             (self.swapped_blocks, ("in", "out")),
+            (self.kv_evictions, IMPORTANCE_POLICIES),
+            (self.kv_evicted_tokens, IMPORTANCE_POLICIES),
             (self.rejected, REJECT_REASONS),
         ):
             for value in values:
@@ -199,6 +212,10 @@ class EngineMetrics:
             self.context_overflows.labels(policy).inc(n)
         for direction, n in events.swapped_blocks.items():
             self.swapped_blocks.labels(direction).inc(n)
+        for policy, n in events.evictions.items():
+            self.kv_evictions.labels(policy).inc(n)
+        for policy, n in events.evicted_tokens.items():
+            self.kv_evicted_tokens.labels(policy).inc(n)
         self.prefix_queries.inc(events.prefix_queries)
         self.prefix_hits.inc(events.prefix_hits)
         if self.spec_method is not None:

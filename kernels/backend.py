@@ -53,6 +53,9 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes sequences have exactly one new token
     window: int = 0
     decode_plan: Any = None  # ``plan_decode``'s, made once per step for every layer of the group
+    # int32 [B]: rows at or after this slot add their attention to the keys' importance scores
+    # (``kernels.reference``); None: no row does.
+    score_from: torch.Tensor | None = None
 
     @functools.cached_property
     def decodes(self) -> AttentionMetadata:
@@ -64,6 +67,7 @@ class AttentionMetadata:
         return AttentionMetadata(
             self.slot_mapping[:nd], self.block_tables[:nd], self.seq_lens[:nd],
             self.prefix_lens[:nd], self.cu_seqlens_q[: nd + 1], nd, self.window, self.decode_plan,
+            None if self.score_from is None else self.score_from[:nd],
         )  # fmt: skip
 
     @functools.cached_property
@@ -75,6 +79,7 @@ class AttentionMetadata:
         return AttentionMetadata(
             self.slot_mapping[nd:], self.block_tables[nd:], self.seq_lens[nd:],
             self.prefix_lens[nd:], self.cu_seqlens_q[nd:] - nd, 0, self.window,
+            score_from=None if self.score_from is None else self.score_from[nd:],
         )  # fmt: skip
 
 
@@ -83,6 +88,10 @@ class Step(Protocol):
 
     def layer(self, layer_id: int) -> tuple[KVCache, AttentionMetadata]:
         """A layer's cache and its KV-cache group's metadata."""
+        ...
+
+    def layer_scores(self, layer_id: int) -> torch.Tensor | None:
+        """A layer's importance scores [N, bs, Hkv] when its group keeps them."""
         ...
 
 
@@ -121,9 +130,11 @@ class AttentionBackend(ABC):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
+        scores: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Chunks of new tokens (``meta``: prefill chunks only) attending causally to
-        themselves and their cached prefix -> [T, Hq, Dv]."""
+        themselves and their cached prefix -> [T, Hq, Dv]. With ``scores``, the rows
+        ``meta.score_from`` names add their attention to the keys' scores."""
 
     def plan_decode(self, meta: AttentionMetadata, kv_cache: KVCache) -> Any:
         """What ``decode`` would otherwise recompute in every layer: made once per step and
@@ -133,10 +144,15 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def decode(
-        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        scores: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One query token per sequence (``meta``: decodes only), already written to the
-        cache -> [B, Hq, Dv]."""
+        cache -> [B, Hq, Dv]; with ``scores``, as ``prefill``."""
 
     def forward(
         self,
@@ -150,18 +166,23 @@ class AttentionBackend(ABC):
         """A layer's attention over the step: q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv]
         -> [T, Hq, Dv]; writes k and v to the layer's cache. Prefill attention runs before the
         cache write, because a sliding-window chunk may overwrite ring slots that its own first
-        tokens still read; decode runs after it."""
+        tokens still read; decode runs after it. A layer that keeps importance scores clears
+        those of the slots it writes, and adds to them where ``meta.score_from`` asks."""
         kv_cache, meta = batch.layer(layer_id)
         k_cache, v_cache = kv_cache
+        scores = batch.layer_scores(layer_id)
+        if scores is not None:
+            reference.clear_scores(scores, meta.slot_mapping)
+            scores = scores if meta.score_from is not None else None
         nd = meta.num_decodes
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
         if q.shape[0] > nd:
-            out[nd:] = self.prefill(q[nd:], k[nd:], v[nd:], kv_cache, meta.prefills, scale)
+            out[nd:] = self.prefill(q[nd:], k[nd:], v[nd:], kv_cache, meta.prefills, scale, scores)
         self.write_cache(k_cache, k, meta.slot_mapping)
         if v_cache.untyped_storage() is not k_cache.untyped_storage():  # MLA: V is part of K
             self.write_cache(v_cache, v, meta.slot_mapping)
         if nd:
-            out[:nd] = self.decode(q[:nd], kv_cache, meta.decodes, scale)
+            out[:nd] = self.decode(q[:nd], kv_cache, meta.decodes, scale, scores)
         return out
 
     def prepare(self, model: nn.Module) -> int:
@@ -195,11 +216,19 @@ class AttentionBackend(ABC):
         dst[dst_ids.to(dst.device)] = rows.to(dst.device, non_blocking=dst.is_cuda)
 
 
-def _reference_prefill(q, k, v, kv_cache: KVCache, meta, scale: float, attend=None):
+def _reference_prefill(q, k, v, kv_cache: KVCache, meta, scale: float, attend=None, scores=None):
     """``reference.prefill_attention`` over a step's prefill chunks."""
     return reference.prefill_attention(
         q, k, v, *kv_cache, meta.block_tables, meta.cu_seqlens_q, meta.prefix_lens, scale,
-        meta.window, attend,
+        meta.window, attend, scores, meta.score_from,
+    )  # fmt: skip
+
+
+def _reference_decode(q, kv_cache: KVCache, meta, scale: float, scores=None):
+    """``reference.decode_attention`` over a step's decodes."""
+    return reference.decode_attention(
+        q, *kv_cache, meta.block_tables, meta.seq_lens, scale, meta.window, meta.decode_plan,
+        scores, meta.score_from,
     )  # fmt: skip
 
 
@@ -209,17 +238,15 @@ class TorchBackend(AttentionBackend):
     def write_cache(self, cache, rows, slots):
         reference.write_cache(cache, rows, slots)
 
-    def prefill(self, q, k, v, kv_cache, meta, scale):
-        return _reference_prefill(q, k, v, kv_cache, meta, scale)
+    def prefill(self, q, k, v, kv_cache, meta, scale, scores=None):
+        return _reference_prefill(q, k, v, kv_cache, meta, scale, scores=scores)
 
     def plan_decode(self, meta, kv_cache):
         block_size = kv_cache[0].shape[1]
         return reference.gather_plan(meta.block_tables, meta.seq_lens, block_size, meta.window)
 
-    def decode(self, q, kv_cache, meta, scale):
-        return reference.decode_attention(
-            q, *kv_cache, meta.block_tables, meta.seq_lens, scale, meta.window, meta.decode_plan
-        )
+    def decode(self, q, kv_cache, meta, scale, scores=None):
+        return _reference_decode(q, kv_cache, meta, scale, scores)
 
     def rotate_keys(self, cache, blocks, delta, layout):
         rotate_reference(cache, blocks, delta, layout)
@@ -256,9 +283,9 @@ class CpuBackend(TorchBackend):
         self._cpu = cpu
         self.model_kernels = model_kernels
 
-    def prefill(self, q, k, v, kv_cache, meta, scale):
+    def prefill(self, q, k, v, kv_cache, meta, scale, scores=None):
         attend = sdpa_attend if q.dtype == torch.float32 else None
-        return _reference_prefill(q, k, v, kv_cache, meta, scale, attend)
+        return _reference_prefill(q, k, v, kv_cache, meta, scale, attend, scores)
 
     def write_cache(self, cache, rows, slots):
         if self._cpu.takes_cache(cache) and cache.stride(2) == cache.shape[3]:
@@ -277,12 +304,12 @@ class CpuBackend(TorchBackend):
             cos, sin = delta_cos_sin(layout, delta)
             self._cpu.rotate_keys(cache, blocks, cos, sin, layout.start, layout.interleaved)
 
-    def decode(self, q, kv_cache, meta, scale):
-        if all(self._cpu.takes_cache(c) for c in kv_cache):
+    def decode(self, q, kv_cache, meta, scale, scores=None):
+        if scores is None and all(self._cpu.takes_cache(c) for c in kv_cache):
             return self._cpu.decode_attention(
                 q, *kv_cache, meta.block_tables, meta.seq_lens, scale, meta.window
             )
-        return super().decode(q, kv_cache, meta, scale)
+        return _reference_decode(q, kv_cache, meta, scale, scores)
 
     def prepare(self, model: nn.Module) -> int:
         """Every float32 nn.Linear becomes a ``FastLinear`` over the same parameters (names
@@ -328,6 +355,12 @@ class CpuBackend(TorchBackend):
         caches, metas = zip(*(batch.layer(layer.layer_id) for layer in layers))
         if not all(self._cpu.takes_cache(c) for kv in caches for c in kv):
             return None
+        scores = [batch.layer_scores(layer.layer_id) for layer in layers]
+        if any(s is not None and m.score_from is not None for s, m in zip(scores, metas)):
+            return None  # the fused layers accumulate no scores
+        for s, m in zip(scores, metas):
+            if s is not None:
+                reference.clear_scores(s, m.slot_mapping)
         return self._cpu.decoder_layers(
             x, rope, weights, list(caches), list(metas), layers[0].constants
         )
@@ -361,7 +394,9 @@ class TritonBackend(AttentionBackend):
     def write_cache(self, cache, rows, slots):
         self._launch(self._attention.write_cache_launches(cache, rows, slots))
 
-    def prefill(self, q, k, v, kv_cache, meta, scale):
+    def prefill(self, q, k, v, kv_cache, meta, scale, scores=None):
+        if scores is not None:
+            return _reference_prefill(q, k, v, kv_cache, meta, scale, scores=scores)
         # A quantized cache holds rotated rows: the query is rotated to meet them, the output
         # back (torch matmuls around the launches, as in decode).
         attention, (k_cache, v_cache) = self._attention, kv_cache
@@ -372,7 +407,9 @@ class TritonBackend(AttentionBackend):
         self._launch(launches)
         return attention.rotated_output(out, v_cache, q.dtype)
 
-    def decode(self, q, kv_cache, meta, scale):
+    def decode(self, q, kv_cache, meta, scale, scores=None):
+        if scores is not None:
+            return _reference_decode(q, kv_cache, meta, scale, scores)
         attention, (k_cache, v_cache) = self._attention, kv_cache
         out, launches = attention.decode_launches(
             attention.rotated_query(q, k_cache), k_cache, v_cache, meta.block_tables,

@@ -24,6 +24,8 @@ class ForwardContext:
     metadata: list[AttentionMetadata]  # one per KV-cache group
     kv_caches: list[KVCache]  # one (k, v) per layer
     layer_to_group: tuple[int, ...]
+    # One importance-score tensor per layer (None where its group keeps none); None: none.
+    scores: list[torch.Tensor | None] | None = None
 
     @classmethod
     def planned(
@@ -32,6 +34,7 @@ class ForwardContext:
         metadata: list[AttentionMetadata],
         kv_caches: list[KVCache],
         layer_to_group: tuple[int, ...],
+        scores: list[torch.Tensor | None] | None = None,
     ) -> ForwardContext:
         """The context with each group's decode plan made once for all its layers (they share
         the group's block tables and block size)."""
@@ -41,11 +44,14 @@ class ForwardContext:
                 kv_cache = kv_caches[layer_to_group.index(g)]
                 meta = replace(meta, decode_plan=backend.plan_decode(meta.decodes, kv_cache))
             planned.append(meta)
-        return cls(backend, planned, kv_caches, layer_to_group)
+        return cls(backend, planned, kv_caches, layer_to_group, scores)
 
     def layer(self, layer_id: int) -> tuple[KVCache, AttentionMetadata]:
         """A layer's cache and its group's metadata."""
         return self.kv_caches[layer_id], self.metadata[self.layer_to_group[layer_id]]
+
+    def layer_scores(self, layer_id: int) -> torch.Tensor | None:
+        return None if self.scores is None else self.scores[layer_id]
 
     def attention(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float

@@ -8,6 +8,11 @@ Shapes (T new tokens, B sequences, N blocks, bs block size):
 A cache's dtype names its format (``kernels.kv_quant``): rows are quantized as they are written
 and dequantized as they are read, and a prefill chunk's new keys and values are read as the
 cache gives them back.
+
+Importance scores (eviction by importance): ``scores`` [N, bs, Hkv] float32 beside a layer's
+cache, one per cached token and KV head. When asked (``score_from`` [B]: the first slot whose
+query row counts, per sequence), attention adds to each key's score the probability mass the
+counted query rows pay it, summed over the query heads of its KV head's group.
 """
 
 from __future__ import annotations
@@ -108,6 +113,37 @@ def gather_plan(
     return GatherPlan(blocks, pos % block_size, valid)
 
 
+def _probs(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor) -> torch.Tensor:
+    """q [..., Hq, D], k [..., Hkv, S, D], mask broadcastable to [..., Hkv, G, S] ->
+    softmax probabilities [..., Hkv, G, S] (G query heads per KV head)."""
+    hkv = k.shape[-3]
+    qg = q.float().unflatten(-2, (hkv, q.shape[-2] // hkv))
+    logits = torch.einsum("...hgd,...hsd->...hgs", qg, k.float()) * scale
+    return torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+
+
+def scored_decode(q, k, v, valid, scale, counted):
+    """Decode attention that also returns each key's score: q [B, Hq, D], k/v [B, Hkv, S, D],
+    valid [B, S], counted [B] (whether the row counts) -> ([B, Hq, Dv], mass [B, S, Hkv])."""
+    probs = _probs(q, k, scale, valid[:, None, None, :])  # [B, Hkv, G, S]
+    out = torch.einsum("bhgs,bhsd->bhgd", probs, v.float()).flatten(1, 2)
+    mass = probs.sum(2).transpose(1, 2) * counted[:, None, None]
+    return out.to(q.dtype), mass
+
+
+def add_scores(scores: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, mass) -> None:
+    """``scores[blocks, offsets] += mass`` ([..., H]), where an index repeats too."""
+    scores.index_put_((blocks.long(), offsets.long()), mass.to(scores.dtype), accumulate=True)
+
+
+def clear_scores(scores: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """A slot written with a new token starts with no score (slot -1: none; no host sync, so
+    that a CUDA graph may capture it)."""
+    flat = scores.view(-1, scores.shape[-1])
+    slots = slot_mapping.clamp(min=0)
+    flat[slots] = torch.where((slot_mapping >= 0)[:, None], 0.0, flat[slots])
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -117,17 +153,25 @@ def decode_attention(
     scale: float,
     window: int = 0,
     plan: GatherPlan | None = None,
+    scores: torch.Tensor | None = None,
+    score_from: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (already written to the cache) -> [B, Hq, Dv].
 
     Each sequence's context is gathered through its block table, padded to the longest one,
     and the padding masked out of the softmax. ``plan`` (from ``gather_plan``) may be shared
-    by all layers of a step.
+    by all layers of a step. With ``scores`` and ``score_from``, a sequence whose query's slot
+    (its length - 1) is at least its ``score_from`` adds its attention to the keys' scores.
     """
     if plan is None:
         plan = gather_plan(block_tables, seq_lens, k_cache.shape[1], window)
     k = dequantize(k_cache[plan.blocks, plan.offsets]).transpose(1, 2)  # [B, Hkv, S, Dk]
     v = dequantize(v_cache[plan.blocks, plan.offsets]).transpose(1, 2)
+    if scores is not None:
+        counted = (seq_lens.long() - 1 >= score_from.long()).float()
+        out, mass = scored_decode(q, k, v, plan.valid, scale, counted)
+        add_scores(scores, plan.blocks, plan.offsets, mass * plan.valid[..., None])
+        return out
     out = F.scaled_dot_product_attention(
         q.float()[:, :, None, :],
         k,
@@ -151,6 +195,8 @@ def prefill_attention(
     scale: float,
     window: int = 0,
     attend: Callable | None = None,
+    scores: torch.Tensor | None = None,
+    score_from: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Chunks of new tokens attending causally to themselves and to their cached prefix.
 
@@ -158,11 +204,14 @@ def prefill_attention(
     not from the cache); sequence i owns rows cu_seqlens_q[i]:cu_seqlens_q[i+1], at positions
     prefix_lens[i] + j. The prefix [0, prefix_len) is read through the block table.
     ``attend(q, k, v, scale, mask)`` computes each chunk's attention (default: ``_attend``).
+    With ``scores`` and ``score_from``, the rows at or after slot ``score_from[i]`` add their
+    attention to the scores of the keys they read, new ones included (full attention only).
     """
     attend = attend or _attend
     k, v = read_back(k, v, k_cache, v_cache)
     out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
     bounds = cu_seqlens_q.tolist()
+    froms = score_from.tolist() if scores is not None else None
     for i, prefix in enumerate(prefix_lens.tolist()):
         lo, hi = bounds[i], bounds[i + 1]
         n = hi - lo
@@ -179,4 +228,23 @@ def prefill_attention(
         if window > 0:
             mask &= pos_k[None, :] > pos_q[:, None] - window
         out[lo:hi] = attend(q[lo:hi], k_all, v_all, scale, mask)
+        if froms is not None and froms[i] < prefix + n:
+            first_row = max(0, froms[i] - prefix)
+            _score_chunk(scores, block_tables[i], pos_k, q[lo + first_row : hi], k_all,
+                         mask[first_row:], scale)  # fmt: skip
     return out
+
+
+SCORE_ROWS = 256  # query rows whose probabilities are held at once
+
+
+def _score_chunk(scores, table, pos_k, q, k_all, mask, scale) -> None:
+    """Add the attention of rows ``q`` [R, Hq, D] over keys ``k_all`` [S, Hkv, D] at
+    ``pos_k`` (``mask`` [R, S]) to the keys' scores."""
+    kt = k_all.transpose(0, 1)  # [Hkv, S, D]
+    mass = torch.zeros(kt.shape[0], kt.shape[1], device=q.device)
+    for a in range(0, q.shape[0], SCORE_ROWS):
+        rows = slice(a, a + SCORE_ROWS)
+        mass += _probs(q[rows], kt, scale, mask[rows, None, None, :]).sum(dim=(0, 2))
+    blocks, offsets = _blocks_and_offsets(table, pos_k, scores.shape[1], 0)
+    add_scores(scores, blocks, offsets, mass.T)

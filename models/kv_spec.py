@@ -130,7 +130,15 @@ class KVCacheGroup:
 
     spec: KVSpec
     layer_ids: tuple[int, ...]
+    # Whether each layer also keeps a float32 importance score per token and KV head (MLA: per
+    # token), which attention accumulates for eviction by importance.
+    scored: bool = False
+
+    @property
+    def score_heads(self) -> int:
+        return getattr(self.spec, "num_kv_heads", 1)
 
     @property
     def bytes_per_token(self) -> int:
-        return self.spec.bytes_per_token * len(self.layer_ids)
+        scores = 4 * self.score_heads if self.scored else 0
+        return (self.spec.bytes_per_token + scores) * len(self.layer_ids)

@@ -127,7 +127,10 @@ class OverflowOptions(OpenAIBody):
         "oldest prompt tokens after the first n_keep. stop: generate until the context is full, "
         "finish_reason 'length'. shift: when full, discard n_discard tokens after the first "
         "n_keep, re-rotate the cache and go on until max_tokens. sink: StreamingLLM, n_keep "
-        "attention sinks plus the most recent window."
+        "attention sinks plus the most recent window. snapkv, h2o, knorm: evict the cached "
+        "tokens that matter least (by the attention the last window of queries or every query "
+        "paid them, or by key norm), keeping n_keep first and window recent ones, when the "
+        "context fills or the sequence exceeds kv_budget; kept tokens keep their positions."
     )
     n_keep: StrictInt | None = Field(
         None,
@@ -139,6 +142,18 @@ class OverflowOptions(OpenAIBody):
         description="Tokens discarded at each overflow, rounded up to a KV block. Default: "
         "half of what follows the kept tokens (shift), one block (sink).",
     )
+    kv_budget: StrictInt | None = Field(
+        None,
+        description="snapkv, h2o, knorm: most tokens the sequence may cache (0: no budget). "
+        "A longer prompt is compressed to it when its prefill ends. Default: the server's.",
+    )
+    window: StrictInt | None = Field(
+        None, description="snapkv, h2o, knorm: recent tokens always kept (snapkv: its "
+        "observation window). Default 64.",
+    )  # fmt: skip
+    selection: Literal["head", "layer"] | None = Field(
+        None, description="snapkv, h2o, knorm: choose per KV head (default) or once per layer."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> OverflowOptions:
@@ -149,7 +164,9 @@ class OverflowOptions(OpenAIBody):
         return self
 
     def to_engine(self) -> ContextOverflow:
-        return ContextOverflow(self.policy, self.n_keep, self.n_discard)
+        return ContextOverflow(
+            self.policy, self.n_keep, self.n_discard, self.kv_budget, self.window, self.selection
+        )
 
 
 class JSONSchemaFormat(OpenAIBody):

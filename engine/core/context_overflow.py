@@ -21,6 +21,13 @@ Context overflow::
 
 A running sequence's cache drops whole blocks, so ``shift`` and ``sink`` round n_keep and
 n_discard up to block multiples; a prompt is not cached yet, so ``truncate`` is exact.
+
+Eviction by importance (``snapkv``, ``h2o``, ``knorm``): the cache keeps the tokens that matter
+at their own positions, compacted into fewer blocks (``Evict``). It acts when the context fills
+(keeping ``limit - n_discard``) and, with a ``kv_budget``, whenever the sequence holds more
+than its budget: at the end of its prompt, then each time decoding has added a block. Which
+tokens stay is the model runner's choice (``engine.worker.eviction``): it reads the scores the
+attention kernels accumulated; here only how many, and when.
 """
 
 from __future__ import annotations
@@ -30,12 +37,17 @@ from typing import ClassVar
 
 from engine.core.errors import RequestError
 
-CONTEXT_POLICIES = ("error", "truncate", "stop", "shift", "sink")
+IMPORTANCE_POLICIES = ("snapkv", "h2o", "knorm")
+SCORED_POLICIES = ("snapkv", "h2o")  # those that read scores the attention kernels accumulate
+CONTEXT_POLICIES = ("error", "truncate", "stop", "shift", "sink", *IMPORTANCE_POLICIES)
 DEFAULT_POLICY = "error"  # as OpenAI: a request that cannot fit is refused
 
 # The first tokens draw attention out of proportion to their content (StreamingLLM's sinks);
 # keeping a few by default is what keeps a shifted or truncated sequence fluent.
 DEFAULT_KEEP = 4
+# Recent tokens eviction always keeps; SnapKV's observation window (kvpress's default size).
+DEFAULT_WINDOW = 64
+SELECTIONS = ("head", "layer")  # an importance policy chooses per KV head, or once per layer
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -48,12 +60,18 @@ class ContextOverflow:
 
     ``n_keep``: tokens kept at the start (-1: the whole prompt); for ``sink`` the attention
     sinks. ``n_discard``: tokens dropped at each overflow by ``shift`` (default: half of what
-    follows the kept ones) and ``sink`` (default: one block). None: the policy's default.
+    follows the kept ones) and ``sink`` (default: one block), and by an importance policy when
+    the context fills (default: half). ``kv_budget``: most tokens an importance policy lets the
+    sequence cache (None or 0: no budget). ``window``: recent tokens it always keeps.
+    ``selection``: whether it chooses per KV head or once per layer. None: the default.
     """
 
     policy: str = DEFAULT_POLICY
     n_keep: int | None = None
     n_discard: int | None = None
+    kv_budget: int | None = None
+    window: int | None = None
+    selection: str | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in CONTEXT_POLICIES:
@@ -66,6 +84,31 @@ class ContextOverflow:
             raise RequestError("overflow.n_keep must be -1 or more.", param="overflow.n_keep")
         if self.n_discard is not None and self.n_discard < 1:
             raise RequestError("overflow.n_discard must be at least 1.", param="overflow.n_discard")
+        if self.window is not None and self.window < 0:
+            raise RequestError("overflow.window must be 0 or more.", param="overflow.window")
+        if self.selection not in (None, *SELECTIONS):
+            raise RequestError(
+                f"overflow.selection must be one of {', '.join(SELECTIONS)}; "
+                f"got {self.selection!r}.",
+                param="overflow.selection",
+            )
+        importance = self.policy in IMPORTANCE_POLICIES
+        if self.kv_budget and not importance:
+            raise RequestError(
+                f"overflow.kv_budget needs an importance policy ({', '.join(IMPORTANCE_POLICIES)}"
+                f"); got {self.policy!r}.",
+                param="overflow.kv_budget",
+            )
+        if self.kv_budget is not None and (self.kv_budget < 0 or 0 < self.kv_budget <= self.sinks):
+            raise RequestError(
+                f"overflow.kv_budget must be 0 (none) or more than the {self.sinks} tokens kept "
+                "at the start (n_keep).",
+                param="overflow.kv_budget",
+            )
+
+    @property
+    def sinks(self) -> int:
+        return DEFAULT_KEEP if self.n_keep is None else max(self.n_keep, 0)
 
 
 # ---- decisions ----
@@ -96,6 +139,13 @@ class Drop:
 
 
 @dataclass(frozen=True)
+class Evict:
+    """Keep ``keep`` of the sequence's cached tokens, the runner choosing which."""
+
+    keep: int
+
+
+@dataclass(frozen=True)
 class ContextState:
     """A sequence against the context limit, in plain numbers: its prompt at admission
     (``admit``), or its prompt and output once they fill the context (``on_full``)."""
@@ -122,9 +172,20 @@ class ContextPolicy:
         """Before any work: take the request as it is, refuse it, or drop prompt tokens."""
         return _prompt_too_long(s) or Fits()
 
-    def on_full(self, s: ContextState) -> Finish | Drop:
+    def on_full(self, s: ContextState) -> Finish | Drop | Evict:
         """A running sequence has filled the context: finish it, or drop tokens and go on."""
         return Finish()
+
+    def over_budget(self, cached: int, decoding: bool, prompt_done: bool) -> Evict | None:
+        """After a step: whether a sequence holding ``cached`` tokens must evict some
+        (``decoding``: its prompt was computed before this step; ``prompt_done``: it is now).
+        Only importance policies do."""
+        return None
+
+    def score_from(self, prompt_len: int) -> int | None:
+        """The first position whose query's attention to the cached keys is accumulated as
+        their score (None: no scores)."""
+        return None
 
 
 def _prompt_too_long(s: ContextState) -> Reject | None:
@@ -247,8 +308,76 @@ class SinkPolicy(ShiftPolicy):
         return block_size
 
 
-def context_policy(choice: ContextOverflow) -> ContextPolicy:
+@dataclass(frozen=True)
+class ImportancePolicy(ContextPolicy):
+    """Evict the least important cached tokens, keeping ``sinks`` first ones and ``window``
+    recent ones: when the context fills, down to ``limit - n_discard`` (default: half of it),
+    and with a ``budget`` down to it, at the end of the prompt and whenever decoding has added
+    ``slack`` tokens more (so that compaction runs once a block, not once a token). The sequence
+    stops with "length" once it would evict more than ``max_dropped`` tokens in all."""
+
+    name: str = "snapkv"
+    sinks: int = DEFAULT_KEEP
+    window: int = DEFAULT_WINDOW
+    budget: int = 0
+    n_discard: int | None = None
+    per_head: bool = True
+    slack: int = 16
+
+    def admit(self, s: ContextState) -> Fits | Reject:
+        too_long = _prompt_too_long(s)
+        if too_long is not None:
+            return too_long
+        if self.sinks >= s.limit - 1:
+            return Reject(
+                f"overflow {self.name!r} keeps the first {self.sinks} tokens: that leaves "
+                f"nothing to evict in a context of {s.limit}. Reduce overflow.n_keep.",
+                code="invalid_overflow",
+            )
+        return Fits()
+
+    def keep_when_full(self, limit: int) -> int:
+        rest = limit - self.sinks
+        discard = min(self.n_discard or rest // 2, rest - 1)
+        keep = limit - max(discard, 1)
+        return min(keep, self.budget) if self.budget else keep
+
+    def on_full(self, s: ContextState) -> Finish | Evict:
+        if s.max_tokens is None:
+            return Finish()
+        keep = self.keep_when_full(s.limit)
+        evicted = s.limit - 1 - keep  # the cache holds limit - 1 tokens when it is full
+        if s.max_dropped is not None and s.dropped + evicted > s.max_dropped:
+            return Finish()
+        return Evict(keep)
+
+    def over_budget(self, cached: int, decoding: bool, prompt_done: bool) -> Evict | None:
+        if not self.budget or not prompt_done or cached <= self.budget:
+            return None
+        if decoding and cached < self.budget + self.slack:
+            return None
+        return Evict(self.budget)
+
+    def score_from(self, prompt_len: int) -> int | None:
+        # SnapKV: the prompt's last ``window`` queries, then every one since the last eviction
+        # (the runner clears its scores when it evicts); H2O: every query; key norms: none.
+        if self.name == "snapkv":
+            return max(0, prompt_len - max(self.window, 1))
+        return 0 if self.name == "h2o" else None
+
+
+def context_policy(choice: ContextOverflow, block_size: int = 16) -> ContextPolicy:
     keep = DEFAULT_KEEP if choice.n_keep is None else choice.n_keep
+    if choice.policy in IMPORTANCE_POLICIES:
+        return ImportancePolicy(
+            choice.policy,
+            choice.sinks,
+            DEFAULT_WINDOW if choice.window is None else choice.window,
+            choice.kv_budget or 0,
+            choice.n_discard,
+            choice.selection != "layer",
+            block_size,
+        )
     if choice.policy == "error":
         return ErrorPolicy()
     if choice.policy == "stop":

@@ -183,6 +183,16 @@ class KVCacheManager:
         dropped = [m.drop(t, first, n) for m, t in self._each(tables)]
         return [moved for moved, _ in dropped], [copies for _, copies in dropped]
 
+    # -- eviction by importance -----------------------------------------------------------------
+
+    def evict(self, tables: BlockTables, keep: int) -> BlockTables:
+        """Shrink ``tables`` to hold ``keep`` tokens, compacted by the runner from the tables
+        as they were (returned, per group); whole blocks go back to the pools. Raises
+        MemoryError, changing nothing, when there are no fresh blocks for those it shares."""
+        if not all(m.can_evict(t, keep) for m, t in self._each(tables)):
+            raise MemoryError("no free blocks to replace shared blocks before an eviction")
+        return [m.evict(t, keep) for m, t in self._each(tables)]
+
     # -- swapping -----------------------------------------------------------------------------
 
     @property

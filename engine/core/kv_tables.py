@@ -188,6 +188,31 @@ class TableManager:
                 self.pool.uncache(table[i])
         return table[start:], copies
 
+    # -- eviction -----------------------------------------------------------------------------
+
+    def can_evict(self, table: list[int], keep: int) -> bool:
+        """Whether the pool has the fresh blocks that compacting to ``keep`` tokens needs."""
+        n = self.spec.num_blocks(keep, self.block_size)
+        shared = sum(self.pool.ref_counts[b] > 1 for b in table[:n])
+        freed = sum(self.pool.ref_counts[b] == 1 for b in table[n:])
+        return shared <= self.pool.num_free + freed
+
+    def evict(self, table: list[int], keep: int) -> list[int]:
+        """Shrink ``table`` to hold ``keep`` tokens, which the runner then writes anew from
+        the table as it was (returned): the blocks past them go back to the pool, a kept block
+        another sequence shares is replaced by a fresh one, and one held alone leaves the
+        prefix cache. The old blocks are read before any is written over."""
+        old = list(table)
+        n = self.spec.num_blocks(keep, self.block_size)
+        self.pool.free(table[n:][::-1])
+        del table[n:]
+        for i, b in enumerate(table):
+            if self.pool.ref_counts[b] > 1:
+                self._give_fresh_block(table, i)
+            else:
+                self.pool.uncache(b)
+        return old
+
     # -- accounting ---------------------------------------------------------------------------
 
     def check_integrity(self, tables: Iterable[list[int]], name: str = "") -> None:

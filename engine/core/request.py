@@ -37,6 +37,9 @@ class Request:
     host_tables: list[list[int]] = field(default_factory=list)  # swap-pool blocks while swapped
     context_policy: ContextPolicy | None = None  # None: the scheduler's default
     num_dropped_tokens: int = 0  # removed from token_ids by the context policy
+    # Evicted by an importance policy: the cache keeps its tokens at their positions, compacted
+    # into fewer slots, so a token at position p computed since sits in slot p - num_evicted.
+    num_evicted: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
@@ -60,6 +63,14 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    def slot(self, position: int) -> int:
+        """The cache slot of the token at ``position``, once computed after any eviction."""
+        return position - self.num_evicted
+
+    @property
+    def num_cached_slots(self) -> int:
+        return self.num_computed_tokens - self.num_evicted
 
     @property
     def num_output_tokens(self) -> int:

@@ -7,7 +7,10 @@ and free blocks allow. When a running request needs a block and none is free, th
 swaps its blocks to the host pool. When a sequence fills ``max_model_len``, its context policy
 decides: finish, or drop tokens (a shift), whose cache rotation the next step carries. Every
 drop, a prompt's at admission too, is carried out here (``drop``), and every context-overflow
-decision on a queued or running request is counted here (``overflow``).
+decision on a queued or running request is counted here (``overflow``). An importance policy
+evicts instead (``evict``): the request's cache shrinks to the tokens the runner judges most
+important, which keep their positions, so the cache's slots and the tokens' positions part
+(``Request.slot``): the block manager counts slots, the model's rotary embedding positions.
 Pure Python: the output is plain data for the model runner.
 """
 
@@ -18,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from engine.core.config import SchedulerConfig
-from engine.core.context_overflow import ContextPolicy, ContextState, Drop, Finish
+from engine.core.context_overflow import ContextPolicy, ContextState, Drop, Evict, Finish
 from engine.core.kv_manager import BlockPairs, BlockTables, KVCacheManager
 from engine.core.preemption import Preemption
 from engine.core.request import Request, RequestStatus
@@ -37,7 +40,7 @@ from engine.core.speculation import (
 class ScheduledRequest:
     request_id: str
     token_ids: list[int]  # the new tokens computed this step
-    start_pos: int  # position of token_ids[0]
+    start_pos: int  # cache slot of token_ids[0]; its position after an eviction (see below)
     block_tables: list[list[int]]
     sample: bool  # the chunk reaches the end of the known tokens: sample the next one
     params: SamplingParams
@@ -52,6 +55,10 @@ class ScheduledRequest:
     draft_start: int = 0
     draft_context: list[int] = field(default_factory=list)
     draft_prefill: bool = False
+    # Importance eviction: positions are slots plus this (the tokens evicted so far), and the
+    # rows from this slot on add the attention they pay to the keys' scores (None: no row).
+    position_offset: int = 0
+    score_from: int | None = None
 
 
 @dataclass
@@ -66,13 +73,33 @@ class CacheShift:
 
 
 @dataclass
+class CacheEviction:
+    """A sequence keeps ``keep`` of its ``cached`` tokens, chosen by ``policy`` (per KV head
+    or once per layer), always its ``sinks`` first and ``window`` last ones; the runner reads
+    them through the ``old`` tables and writes them, compacted, through the ``new`` ones."""
+
+    request_id: str
+    policy: str
+    keep: int
+    cached: int
+    old: BlockTables
+    new: BlockTables
+    sinks: int
+    window: int
+    per_head: bool
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]  # one-token (decode) requests first
     num_decodes: int
     finished_ids: list[str] = field(default_factory=list)  # ended since the last step
     preempted_ids: list[str] = field(default_factory=list)
     # Cache moves, carried out in this order before the step's forward pass. A step swaps out
-    # or in, never both, so a host block freed by a swap-in is not yet reused.
+    # or in, never both, so a host block freed by a swap-in is not yet reused. Evictions come
+    # first, in the order they were decided: the blocks they give up, which they still read,
+    # are written only by the moves after them and by the forward pass.
+    evictions: list[CacheEviction] = field(default_factory=list)
     shifts: list[CacheShift] = field(default_factory=list)
     # Ring blocks a prefill chunk still reads but must not write over: copied to fresh ones.
     copies: BlockPairs = field(default_factory=list)  # per group: (block, its fresh copy)
@@ -85,7 +112,12 @@ class SchedulerOutput:
 
     @property
     def has_cache_ops(self) -> bool:
-        return bool(self.shifts) or any(self.copies) or any(self.swap_out) or any(self.swap_in)
+        return (
+            bool(self.evictions or self.shifts)
+            or any(self.copies)
+            or any(self.swap_out)
+            or any(self.swap_in)
+        )
 
 
 @dataclass
@@ -97,6 +129,8 @@ class SchedulerEvents:
     swapped_blocks: Counter = field(default_factory=Counter)  # by direction
     prefix_queries: int = 0  # tokens looked up in the prefix cache at admission
     prefix_hits: int = 0  # of which found
+    evictions: Counter = field(default_factory=Counter)  # by policy
+    evicted_tokens: Counter = field(default_factory=Counter)  # by policy
     drafted: int = 0  # speculative tokens verified
     accepted_at: Counter = field(default_factory=Counter)  # accepted, by draft position
 
@@ -145,6 +179,7 @@ class Scheduler:
         self.events = SchedulerEvents()
         self._finished_ids: list[str] = []
         self._shifts: list[CacheShift] = []
+        self._evictions: list[CacheEviction] = []
         self.num_preemptions = 0
 
     # -- requests in and out ------------------------------------------------------------------
@@ -213,8 +248,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and step.budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, step.budget)
-            start = req.num_computed_tokens
+            n = self._chunk(req, step.budget)
+            start = req.num_cached_slots
             while not self.kv.can_allocate(req.block_tables, start + n, start):
                 victim, was_scheduled = self._preempt(step, self.running)
                 if victim is req:
@@ -238,6 +273,7 @@ class Scheduler:
             finished_ids=self._finished_ids,
             preempted_ids=step.preempted,
             # A recomputed or finished sequence's blocks are no longer its own to rotate.
+            evictions=[e for e in self._evictions if self._status(e.request_id) in live],
             shifts=[s for s in self._shifts if self._status(s.request_id) in live],
             copies=step.copies,
             swap_out=step.swap_out,
@@ -245,6 +281,7 @@ class Scheduler:
         )
         self._finished_ids = []
         self._shifts = []
+        self._evictions = []
         return out
 
     def _admit(self, step: _Step) -> None:
@@ -279,8 +316,8 @@ class Scheduler:
         waiting one starting from the longest cached prefix); returns how many tokens it
         computes this step, 0 when it does not fit."""
         if req.status == RequestStatus.SWAPPED:
-            n = min(req.num_tokens - req.num_computed_tokens, step.budget)
-            if not self.kv.can_swap_in(req.host_tables, req.num_computed_tokens + n):
+            n = self._chunk(req, step.budget)
+            if not self.kv.can_swap_in(req.host_tables, req.num_cached_slots + n):
                 return 0
             req.block_tables, copies = self.kv.swap_in(req.host_tables)
             for pairs, group_copies in zip(step.swap_in, copies):
@@ -289,7 +326,7 @@ class Scheduler:
             self.swapped.remove(req)
         else:
             hit = self._take_prefix(req)
-            n = min(req.num_tokens - hit, step.budget)
+            n = min(self._chunk(req, step.budget), req.num_tokens - hit)
             if not self.kv.can_allocate(req.block_tables, hit + n, hit):
                 self.kv.free(req.block_tables)
                 return 0
@@ -300,7 +337,7 @@ class Scheduler:
             if self.kv.prefix_caching:
                 self.events.prefix_queries += req.num_tokens
                 self.events.prefix_hits += hit
-        start = req.num_computed_tokens
+        start = req.num_cached_slots
         step.allocated(self.kv.allocate(req.block_tables, start + n, start))
         req.status = RequestStatus.RUNNING
         if req.first_scheduled_time is None:
@@ -308,6 +345,13 @@ class Scheduler:
             req.num_cached_tokens = req.num_computed_tokens
         self.running.append(req)
         return n
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """How many of its known tokens ``req`` computes this step, within ``budget``: as many
+        as it may, but that a sequence that evicted and is computed again after a preemption
+        computes at most the context's slots at a time (evicting between)."""
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        return min(n, max(1, self.config.max_model_len - 1 - req.num_cached_slots))
 
     def _take_prefix(self, req: Request) -> int:
         """Start a waiting request's tables with its longest cached prefix (at least one token
@@ -340,7 +384,7 @@ class Scheduler:
             if k and config.method == "ngram":
                 drafts = ngram_propose(req.token_ids, k, config.ngram_min, config.ngram_max)
                 k = len(drafts)
-            start = req.num_computed_tokens
+            start = req.num_cached_slots
             if not k or not self.kv.can_allocate(req.block_tables, start + 1 + k, start):
                 continue
             step.allocated(self.kv.allocate(req.block_tables, start + 1 + k, start))
@@ -359,7 +403,7 @@ class Scheduler:
         behind = req.num_computed_tokens - req.num_draft_computed > LAG_TOKENS
         if config.adaptive and config.method == "draft_model" and behind and not alone:
             return 0
-        room = self.config.max_model_len - req.num_tokens - 1
+        room = self.config.max_model_len - req.slot(req.num_tokens) - 1
         if req.params.max_tokens is not None:
             room = min(room, req.params.max_tokens - req.num_output_tokens - 1)
         return max(0, min(room, self.kv.block_size))
@@ -367,16 +411,19 @@ class Scheduler:
     def _to_plain(self, req: Request, n: int, drafts: list[int] | None = None) -> ScheduledRequest:
         start = req.num_computed_tokens
         num_drafts = 0 if drafts is None else n - 1
+        score_from = self.context_policy(req).score_from(len(req.prompt_token_ids))
         plain = ScheduledRequest(
             request_id=req.request_id,
             token_ids=req.token_ids[start : start + n - num_drafts] + (drafts or []),
-            start_pos=start,
+            start_pos=req.slot(start),
             block_tables=req.block_tables,
             sample=start + n - num_drafts == req.num_tokens,
             params=req.params,
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids,
             num_drafts=num_drafts,
+            position_offset=req.num_evicted,
+            score_from=None if score_from is None else max(0, req.slot(score_from)),
         )
         if self.speculation is None or self.speculation.method != "draft_model":
             return plain
@@ -386,7 +433,7 @@ class Scheduler:
         drafting = not adaptive or self.draft_length.pays(len(self.running))
         prefill = not num_drafts and n > 1 and drafting and _speculates(req.params)
         if num_drafts or prefill:
-            plain.draft_start = req.num_draft_computed
+            plain.draft_start = req.slot(req.num_draft_computed)
             plain.draft_context = req.token_ids[req.num_draft_computed : start]
             plain.draft_prefill = prefill
         return plain
@@ -414,7 +461,7 @@ class Scheduler:
             self.swapped.push(victim, front=True)
         else:
             self.kv.free(victim.block_tables)
-            victim.num_computed_tokens = victim.num_draft_computed = 0
+            victim.num_computed_tokens = victim.num_draft_computed = victim.num_evicted = 0
             victim.status = RequestStatus.WAITING
             self.waiting.push(victim, front=True)
         return victim, was_scheduled
@@ -436,6 +483,7 @@ class Scheduler:
                 continue  # aborted or preempted during the step
             tokens = sampled[s.request_id] if s.sample else []
             accepted = max(0, len(tokens) - 1)
+            decoding = req.num_computed_tokens >= len(req.prompt_token_ids)
             # The rows of rejected drafts hold nothing: the target's own token follows the
             # accepted ones.
             req.num_computed_tokens += len(s.token_ids) - s.num_drafts + accepted
@@ -443,7 +491,8 @@ class Scheduler:
                 self._count_drafts(req, s, accepted)
             elif s.draft_prefill:
                 req.num_draft_computed = s.start_pos + len(s.token_ids)
-            if self.kv.prefix_caching:
+            # An evicted cache holds no block of tokens in order: none is registered.
+            if self.kv.prefix_caching and not req.num_evicted:
                 known = req.token_ids + tokens[:accepted]
                 req.num_registered_blocks = self.kv.cache_blocks(
                     req.block_tables, known, req.block_keys, req.num_computed_tokens,
@@ -459,8 +508,24 @@ class Scheduler:
             if kept:
                 got_tokens.append((req, kept))
             if s.num_drafts and req.status == RequestStatus.RUNNING:
-                self.kv.trim(req.block_tables, req.num_tokens)
+                self.kv.trim(req.block_tables, req.slot(req.num_tokens))
+            if req.status == RequestStatus.RUNNING:
+                self._over_budget(req, decoding)
         return got_tokens
+
+    def _over_budget(self, req: Request, decoding: bool) -> None:
+        """After a step, a sequence with a KV budget evicts down to it; one computed again
+        after a preemption evicts whenever the context's slots are full."""
+        policy = self.context_policy(req)
+        left = req.num_tokens - req.num_computed_tokens
+        decision = policy.over_budget(req.num_cached_slots, decoding, prompt_done=left <= 1)
+        if decision is None and left > 1 and req.num_cached_slots >= self.config.max_model_len - 1:
+            decision = policy.on_full(self._context_state(req))
+        if isinstance(decision, Evict):
+            try:
+                self.evict(req, decision.keep)
+            except MemoryError:
+                pass  # the shared blocks it would replace: it tries again after its next step
 
     def _count_drafts(self, req: Request, s: ScheduledRequest, accepted: int) -> None:
         """A verified speculation: the request's acceptance rate, the metrics' counts, and
@@ -495,35 +560,61 @@ class Scheduler:
                 return self.finish(req, "stop", token)
         if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
             return self.finish(req, "length")
-        if req.num_tokens >= self.config.max_model_len:
+        if req.slot(req.num_tokens) >= self.config.max_model_len:
             return self._context_full(req)
         return None
 
     def _context_full(self, req: Request) -> None:
         """The next token has no position left: the request's context policy decides."""
-        state = ContextState(
+        self.overflow(req, self.context_policy(req).on_full(self._context_state(req)))
+
+    def _context_state(self, req: Request) -> ContextState:
+        return ContextState(
             prompt_len=len(req.prompt_token_ids),
             max_tokens=req.params.max_tokens,
             limit=self.config.max_model_len,
             block_size=self.kv.block_size,
-            discard_end=self.kv.discard_end(req.block_tables, req.num_computed_tokens),
-            dropped=req.num_dropped_tokens,
+            discard_end=self.kv.discard_end(req.block_tables, req.num_cached_slots),
+            dropped=req.num_dropped_tokens + req.num_evicted,
             max_dropped=self.config.max_overflow_tokens,
         )
-        self.overflow(req, self.context_policy(req).on_full(state))
 
     def context_policy(self, req: Request) -> ContextPolicy:
         return req.context_policy or self.default_context_policy
 
-    def overflow(self, req: Request, decision: Drop | Finish) -> None:
+    def overflow(self, req: Request, decision: Drop | Evict | Finish) -> None:
         """Carry out what the request's context policy decided, and count it."""
         self.events.context_overflows[self.context_policy(req).name] += 1
-        if isinstance(decision, Drop):
-            try:
+        try:
+            if isinstance(decision, Drop):
                 return self.drop(req, decision)
-            except MemoryError:  # no room to copy the blocks it shares: it cannot shift
-                pass
+            if isinstance(decision, Evict):
+                return self.evict(req, decision.keep)
+        except MemoryError:  # no room to copy the blocks it shares: it cannot go on
+            pass
         self.finish(req, "length")
+
+    def evict(self, req: Request, keep: int) -> None:
+        """Shrink the request's cache to ``keep`` tokens, the runner choosing which by the
+        request's importance policy (a ``CacheEviction``). A draft model's cache keeps the
+        first and the most recent tokens: what it lacks of the recent ones it computes again.
+        Raises MemoryError, changing nothing, when the cache has no room for fresh blocks."""
+        cached = req.num_cached_slots
+        if keep >= cached:
+            return
+        policy = self.context_policy(req)
+        old = self.kv.evict(req.block_tables, keep)
+        new = [list(t) for t in req.block_tables]
+        self._evictions.append(
+            CacheEviction(req.request_id, policy.name, keep, cached, old, new, policy.sinks,
+                          policy.window, policy.per_head)
+        )  # fmt: skip
+        self.events.evictions[policy.name] += 1
+        self.events.evicted_tokens[policy.name] += cached - keep
+        req.num_evicted += cached - keep
+        recent = keep - min(policy.sinks, keep)
+        req.num_draft_computed = max(req.num_draft_computed, req.num_computed_tokens - recent)
+        req.num_registered_blocks = 0
 
     def drop(self, req: Request, drop: Drop) -> None:
         """Remove ``drop.count`` tokens at ``drop.start`` from the request, and from its cache

@@ -23,6 +23,7 @@ class RunnerConfig:
     eos_token_ids: tuple[int, ...] = ()
     quantization: str | None = None  # a block format for a float checkpoint's linear layers
     kv_cache_dtype: str = ""  # a ``models.kv_spec.KV_DTYPES``; "": the model's dtype
+    kv_scores: bool = False  # importance scores beside the cache (``KVCacheGroup.scored``)
 
     @property
     def kv_dtype(self) -> str:

@@ -16,6 +16,7 @@ the drafts; those of rejected drafts are written over later, or given back with 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
@@ -34,7 +35,7 @@ GREEDY = SamplingParams(max_tokens=None, temperature=0.0)
 
 class Drafter:
     def __init__(self, config: RunnerConfig, max_num_batched_tokens: int):
-        self.runner = ModelRunner(config)
+        self.runner = ModelRunner(replace(config, kv_scores=False))  # it keeps recent tokens
         self.max_chunk = max_num_batched_tokens
 
     @property
@@ -78,7 +79,7 @@ class Drafter:
         drafted position costs), and the seconds it spent on prompt chunks and on contexts it
         had fallen behind on (a cost of starting to draft, not of drafting)."""
         if out.has_cache_ops:
-            self.runner.apply_cache_ops(out)
+            self.runner.apply_cache_ops(out, draft=True)
         start = time.perf_counter()
         todo = [s for s in out.scheduled if s.num_drafts]
         # Behind by more than a step's accepted drafts: it did not draft for a while.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from engine.core.config import CacheConfig
@@ -10,6 +12,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import CacheShift, ScheduledRequest, SchedulerOutput
 from engine.worker.config import RunnerConfig
 from engine.worker.cuda_graphs import DecodeGraphs
+from engine.worker.eviction import evict
 from engine.worker.memory import dummy_lengths
 from engine.worker.sampler import Sampler, logprobs_of
 from engine.worker.step_inputs import step_arrays, to_device
@@ -51,7 +54,10 @@ class ModelRunner:
             model_config, self.dtype, self.device, tp, config.quantization
         )
         self.cpu_kernels = self._cpu_kernels(self.backend.prepare(self.model))
-        self.groups: list[KVCacheGroup] = self.model.kv_cache_groups(model_config, config.kv_dtype)
+        self.groups: list[KVCacheGroup] = [
+            replace(g, scored=config.kv_scores and not g.spec.window)
+            for g in self.model.kv_cache_groups(model_config, config.kv_dtype)
+        ]
         layer_to_group = [0] * model_config.num_layers
         for gi, g in enumerate(self.groups):
             for layer in g.layer_ids:
@@ -60,6 +66,9 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, config.eos_token_ids, self.device, grammars)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the swap pool
+        # Per layer, importance scores beside the cache (``KVCacheGroup.scored``), or None.
+        self.scores: list[torch.Tensor | None] | None = None
+        self.host_scores: list[torch.Tensor | None] | None = None
         self.cache_config: CacheConfig | None = None
         if config.kv_dtype in QUANTIZED_KV and hasattr(self.model, "center_cached_keys"):
             self.model.center_cached_keys()  # a quantized row's scale then spans less
@@ -134,7 +143,7 @@ class ModelRunner:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.execute(SchedulerOutput(scheduled, num_decodes=0))
         peak = torch.cuda.max_memory_allocated(self.device) - before if cuda else 0
-        self.kv_caches, self.cache_config = [], None
+        self.kv_caches, self.cache_config, self.scores = [], None, None
         if cuda:
             torch.cuda.empty_cache()
         return peak
@@ -143,9 +152,23 @@ class ModelRunner:
         """The device pools, and the host swap pool (pinned when the device is a GPU)."""
         self.cache_config = config
         self.kv_caches = self._allocate_pools(config.num_blocks)
+        self.scores = self._score_planes(config.num_blocks, self.device)
         if config.num_host_blocks:
             pin = self.device.type == "cuda"
             self.host_caches = self._allocate_pools(config.num_host_blocks, "cpu", pin)
+            self.host_scores = self._score_planes(config.num_host_blocks, "cpu", pin)
+
+    def _score_planes(self, num_blocks: tuple[int, ...], device, pin: bool = False):
+        """A float32 score per slot and KV head for each layer of a scored group."""
+        if not any(g.scored for g in self.groups):
+            return None
+        planes: list[torch.Tensor | None] = [None] * len(self.layer_to_group)
+        for g, n in zip(self.groups, num_blocks):
+            if g.scored:
+                shape = (n, self.cache_config.block_size, g.score_heads)
+                for layer in g.layer_ids:
+                    planes[layer] = torch.zeros(shape, device=device, pin_memory=pin)
+        return planes
 
     def _allocate_pools(self, num_blocks: tuple[int, ...], device=None, pin: bool = False):
         caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -175,19 +198,22 @@ class ModelRunner:
         return new(shape, **kw), new(shape, **kw)
 
     @torch.inference_mode()
-    def apply_cache_ops(self, out: SchedulerOutput) -> None:
-        """Shifts (copy-on-write copies first), ring copies, then swap-outs, then swap-ins:
-        before any of the step's cache writes."""
+    def apply_cache_ops(self, out: SchedulerOutput, draft: bool = False) -> None:
+        """Evictions, shifts (copy-on-write copies first), ring copies, then swap-outs, then
+        swap-ins: before any of the step's cache writes (``draft``: a draft model's cache)."""
+        for eviction in out.evictions:
+            evict(eviction, self.groups, self.kv_caches, self.scores, draft)
+        device = (self.kv_caches, self.scores)
         for shift in out.shifts:
             for group, pairs in zip(self.groups, shift.copies):
-                copy_blocks(self.backend, group, pairs, self.kv_caches, self.kv_caches)
+                copy_blocks(self.backend, group, pairs, device, device)
             rotate_shifted_keys(self.backend, self.kv_caches, self.groups, self.key_rope, shift)
-        for group, pairs in zip(self.groups, out.copies):
-            copy_blocks(self.backend, group, pairs, self.kv_caches, self.kv_caches)
-        for group, pairs in zip(self.groups, out.swap_out):
-            copy_blocks(self.backend, group, pairs, self.kv_caches, self.host_caches)
-        for group, pairs in zip(self.groups, out.swap_in):
-            copy_blocks(self.backend, group, pairs, self.host_caches, self.kv_caches)
+        host = (self.host_caches, self.host_scores)
+        for ops, src, dst in (
+            (out.copies, device, device), (out.swap_out, device, host), (out.swap_in, host, device)
+        ):  # fmt: skip
+            for group, pairs in zip(self.groups, ops):
+                copy_blocks(self.backend, group, pairs, src, dst)
 
     def _forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         """The step run eagerly: hidden states of all new tokens, and the rows to sample."""
@@ -196,7 +222,10 @@ class ModelRunner:
         flat = [step.input_ids, step.positions, step.cu_seqlens_q, step.prefix_lens]
         for g in step.groups:
             flat += [g.block_tables, g.slot_mapping, g.seq_lens]
+        if step.score_from is not None and self.scores is not None:
+            flat.append(step.score_from)
         ids, positions, cu, prefix_lens, *per_group = to_device(flat, self.device)
+        score_from = per_group.pop() if len(per_group) > 3 * len(step.groups) else None
         metas = [
             AttentionMetadata(
                 slot_mapping=slots,
@@ -206,12 +235,15 @@ class ModelRunner:
                 cu_seqlens_q=cu,
                 num_decodes=out.num_decodes,
                 window=group.spec.window,
+                score_from=score_from if group.scored else None,
             )
             for group, tables, slots, lens in zip(
                 self.groups, per_group[0::3], per_group[1::3], per_group[2::3]
             )
         ]
-        ctx = ForwardContext.planned(self.backend, metas, self.kv_caches, self.layer_to_group)
+        ctx = ForwardContext.planned(
+            self.backend, metas, self.kv_caches, self.layer_to_group, self.scores
+        )
         hidden = self.model(ids, positions, ctx)
         # A sampled sequence's last row, and before it one per draft it verifies.
         last = step.sample_rows.tolist()
@@ -240,7 +272,11 @@ class ModelRunner:
         # Constrained requests' token masks are filled while the forward pass runs.
         masks = self.sampler.start_masks(request_ids, params, drafts)
         tables = [s.block_tables for s in sched]
-        if self.graphs and out.num_decodes == len(sched) and self.graphs.fits(len(sched), tables):
+        scoring = any(s.score_from is not None for s in sched)
+        if (
+            self.graphs and not scoring and out.num_decodes == len(sched)
+            and self.graphs.fits(len(sched), tables)
+        ):  # fmt: skip
             hidden = self.graphs.run(step_arrays(sched, self.groups, self.cache_config.block_size))
             rows = [i for i, s in enumerate(sched) if s.sample]
         else:
@@ -300,20 +336,27 @@ def rotate_shifted_keys(
             backend.rotate_keys(kv_caches[layer][0], idx, shift.delta, key_rope[layer])
 
 
+Scores = list[torch.Tensor | None] | None  # importance scores per layer (``ModelRunner.scores``)
+
+
 def copy_blocks(
     backend: AttentionBackend,
     group: KVCacheGroup,
     pairs: list[tuple[int, int]],
-    src_caches: Caches,
-    dst_caches: Caches,
+    src: tuple[Caches, Scores],
+    dst: tuple[Caches, Scores],
 ) -> None:
-    """Copy whole blocks (src id, dst id) of every layer of ``group``, K and V."""
+    """Copy whole blocks (src id, dst id) of every layer of ``group``: K, V and the scores."""
     if not pairs:
         return
     src_idx = torch.tensor([a for a, _ in pairs], dtype=torch.long)
     dst_idx = torch.tensor([b for _, b in pairs], dtype=torch.long)
+    (src_caches, src_scores), (dst_caches, dst_scores) = src, dst
     for layer in group.layer_ids:
-        src, dst = src_caches[layer], dst_caches[layer]
-        shared = src[1].data_ptr() == src[0].data_ptr()  # MLA: V is the latent part of K
-        for s, d in [(src[0], dst[0])] if shared else zip(src, dst):
+        s_kv, d_kv = src_caches[layer], dst_caches[layer]
+        shared = s_kv[1].data_ptr() == s_kv[0].data_ptr()  # MLA: V is the latent part of K
+        pairs_of_layer = [(s_kv[0], d_kv[0])] if shared else list(zip(s_kv, d_kv))
+        if group.scored:
+            pairs_of_layer.append((src_scores[layer], dst_scores[layer]))
+        for s, d in pairs_of_layer:
             backend.copy_blocks(s, d, src_idx, dst_idx)

@@ -18,6 +18,8 @@ import torch
 from engine.core.scheduler import ScheduledRequest
 from models.kv_spec import KVCacheGroup
 
+NO_SCORES = np.iinfo(np.int32).max  # a sequence none of whose rows accumulates scores
+
 
 @dataclass
 class GroupArrays:
@@ -33,6 +35,8 @@ class StepArrays:
     cu_seqlens_q: np.ndarray  # [B + 1] int32
     prefix_lens: np.ndarray  # [B] int32
     groups: list[GroupArrays]
+    # [B] int32: rows at or after this slot accumulate attention scores; None: no row does.
+    score_from: np.ndarray | None = None
 
     @property
     def sample_rows(self) -> np.ndarray:
@@ -63,7 +67,7 @@ def step_arrays(
     total = int(cu[-1])
     ids = np.fromiter(chain.from_iterable(s.token_ids for s in scheduled), np.int64, total)
     row = np.repeat(np.arange(n), counts)  # each token's sequence
-    positions = np.arange(total) - cu[:-1][row] + starts[row]
+    positions = np.arange(total) - cu[:-1][row] + starts[row]  # cache slots
     out = []
     for gi, group in enumerate(groups):
         tables = [s.block_tables[gi] for s in scheduled]
@@ -78,7 +82,16 @@ def step_arrays(
             # Within one chunk the ring wraps: only the last width*bs tokens survive.
             slots[positions < (seq_lens - width * bs)[row]] = -1
         out.append(GroupArrays(table, slots, seq_lens.astype(np.int32)))
-    return StepArrays(ids, positions, cu.astype(np.int32), starts.astype(np.int32), out)
+    # Positions are slots but after an eviction, whose kept tokens keep their positions.
+    offsets = np.fromiter((s.position_offset for s in scheduled), dtype=np.int64, count=n)
+    if offsets.any():
+        positions = positions + offsets[row]
+    score_from = None
+    if any(s.score_from is not None for s in scheduled):
+        froms = (NO_SCORES if s.score_from is None else s.score_from for s in scheduled)
+        score_from = np.fromiter(froms, dtype=np.int32, count=n)
+    cu, starts = cu.astype(np.int32), starts.astype(np.int32)
+    return StepArrays(ids, positions, cu, starts, out, score_from)
 
 
 def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
