@@ -25,7 +25,11 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import os
+import platform
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from importlib.metadata import version
@@ -209,13 +213,22 @@ def _eos(tokenizer) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos or [])
 
 
-def meta(dataset_path: str, gguf: Path) -> dict[str, Any]:
+def _cpu() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    return f"{platform.machine()}, {os.cpu_count()} cores"
+
+
+def meta(argv: list[str], dataset_path: str, gguf: Path, note: str | None) -> dict[str, Any]:
     return {
         "date": datetime.date.today().isoformat(),
+        "command": "python -m bench.kvpress_peer " + shlex.join(argv),
+        "note": note,
         "dataset": dataset_path,
         "model": str(gguf.name),
         "dtype": "float32",
-        "device": "cpu",
+        "device": f"cpu ({_cpu()})",
         "torch_threads": torch.get_num_threads(),
         "versions": {p: version(p) for p in ("kvpress", "transformers", "torch")},
         "presses": {
@@ -252,12 +265,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--limit", type=int, help="the first N prompts only")
     parser.add_argument("--max-new-tokens", type=int, help="default: the dataset's, or 128")
     parser.add_argument("--gguf", type=Path, default=GGUF)
+    parser.add_argument("--note", help="what else ran on the machine, say")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     dataset = load(args.dataset)
     samples = dataset.samples[: args.limit]
     out = Path(args.out)
     model, tokenizer = load_model(args.gguf)
-    head = meta(args.dataset, args.gguf)
+    head = meta(argv, args.dataset, args.gguf, args.note)
     for name, ratio in configs(args.presses, args.ratios):
         if args.mode == "accuracy":
             max_new = args.max_new_tokens or dataset.meta["max_new_tokens"]
