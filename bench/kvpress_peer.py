@@ -239,13 +239,24 @@ def meta(argv: list[str], dataset_path: str, gguf: Path, note: str | None) -> di
     }
 
 
-def _update(path: Path, key: str, entries: list[dict[str, Any]], head: dict[str, Any]) -> None:
-    """Adds ``entries`` under ``key``, replacing earlier ones for the same press and ratio,
-    and writes at once, so a run cut short keeps what it measured."""
+def _write(path: Path, head: dict[str, Any], rows=(), throughput=()) -> None:
+    """Merges new rows (by press, ratio and prompt) and throughput runs (by press and ratio) into
+    the file, with the summary recomputed from all its rows, and writes at once, so a run cut
+    short keeps what it measured and a later run can add prompts."""
     data = json.loads(path.read_text()) if path.exists() else {}
-    data["meta"] = {**data.get("meta", {}), **head}
-    done = {(e["press"], e["ratio"]) for e in entries}
-    data[key] = [e for e in data.get(key, []) if (e["press"], e["ratio"]) not in done] + entries
+    run = {k: head[k] for k in ("command", "note", "date")}
+    runs = [r for r in data.get("meta", {}).get("runs", []) if r != run] + [run]
+    data["meta"] = {**{k: v for k, v in head.items() if k not in run}, "runs": runs}
+    new = {(r["press"], r["ratio"], r["id"]) for r in rows}
+    data["rows"] = [r for r in data.get("rows", []) if (r["press"], r["ratio"], r["id"]) not in new]
+    data["rows"] += rows
+    groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for row in data["rows"]:
+        groups.setdefault((row["press"], row["ratio"]), []).append(row)
+    data["summary"] = [summarize(group) for group in groups.values()]
+    new = {(t["press"], t["ratio"]) for t in throughput}
+    old = [t for t in data.get("throughput", []) if (t["press"], t["ratio"]) not in new]
+    data["throughput"] = old + list(throughput)
     path.write_text(json.dumps(data, indent=1) + "\n")
 
 
@@ -262,6 +273,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--presses", nargs="+", default=["none", *PRESSES])
     parser.add_argument("--ratios", type=float, nargs="+", default=list(RATIOS))
+    parser.add_argument("--keys", type=int, nargs="+", help="only these pass keys (0: the first)")
     parser.add_argument("--limit", type=int, help="the first N prompts only")
     parser.add_argument("--max-new-tokens", type=int, help="default: the dataset's, or 128")
     parser.add_argument("--gguf", type=Path, default=GGUF)
@@ -269,7 +281,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     dataset = load(args.dataset)
-    samples = dataset.samples[: args.limit]
+    samples = dataset.samples
+    if args.keys is not None:
+        keys = list(dict.fromkeys(s.answer for s in samples))
+        samples = [s for s in samples if keys.index(s.answer) in args.keys]
+    samples = samples[: args.limit]
     out = Path(args.out)
     model, tokenizer = load_model(args.gguf)
     head = meta(argv, args.dataset, args.gguf, args.note)
@@ -277,13 +293,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.mode == "accuracy":
             max_new = args.max_new_tokens or dataset.meta["max_new_tokens"]
             rows = run_accuracy(model, tokenizer, samples, name, ratio, max_new)
-            _update(out, "rows", rows, head)
-            summary = summarize(rows)
-            _update(out, "summary", [summary], head)
-            print(json.dumps(summary), flush=True)
+            _write(out, head, rows=rows)
+            print(json.dumps(summarize(rows)), flush=True)
         else:
             result = run_throughput(model, samples, name, ratio, args.max_new_tokens or 128)
-            _update(out, "throughput", [result], head)
+            _write(out, head, throughput=[result])
             print(json.dumps(result), flush=True)
 
 
