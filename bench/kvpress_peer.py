@@ -151,6 +151,7 @@ def run_accuracy(model, tokenizer, samples: list[Sample], name: str, ratio: floa
             "prefill_s": round(prefill_s, 4),
             "decode_s": round(decode_s, 4),
             "decode_tokens": len(out) - 1,
+            "threads": torch.get_num_threads(),
         }
         rows.append(row)
         print(
@@ -205,6 +206,7 @@ def run_throughput(model, samples: list[Sample], name: str, ratio: float, max_ne
         "output_tok_s": tokens / wall,
         "prefill_s": round(prefill, 3),
         "decode_tok_s": (tokens - len(samples)) / decode,
+        "threads": torch.get_num_threads(),
     }
 
 
@@ -229,7 +231,6 @@ def meta(argv: list[str], dataset_path: str, gguf: Path, note: str | None) -> di
         "model": str(gguf.name),
         "dtype": "float32",
         "device": f"cpu ({_cpu()})",
-        "torch_threads": torch.get_num_threads(),
         "versions": {p: version(p) for p in ("kvpress", "transformers", "torch")},
         "presses": {
             name: {"class": cls.__name__, "defaults": press_params(name)}
@@ -278,8 +279,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, help="default: the dataset's, or 128")
     parser.add_argument("--gguf", type=Path, default=GGUF)
     parser.add_argument("--note", help="what else ran on the machine, say")
+    # On a busy machine one thread decodes many times faster: a thread team waits at every
+    # small op for a member the scheduler has put aside.
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dataset = load(args.dataset)
     samples = dataset.samples
     if args.keys is not None:
