@@ -1,0 +1,194 @@
+"""Eviction judged by retrieval: needle accuracy and throughput of kvserve's importance policies
+against its full cache, StreamingLLM's sinks and window at the same memory, and kvpress.
+
+Accuracy: every prompt of a ``bench.needle`` dataset, greedy, under each policy at each KV
+budget (a fraction of the prompt's tokens, as kvpress's compression ratio is); exact match of
+the pass key. ``sink`` is the budget held by the first ``n_keep`` and the most recent tokens,
+after a prefill over the whole prompt (StreamingLLM as kvpress's press runs it).
+
+Throughput: ``--concurrent`` long prompts at once into a KV pool of ``--pool-tokens``, each
+generating ``--max-tokens``: total output tokens per second, full cache against budgets.
+
+    python -m bench.retrieval --dataset bench/results/needle-2k.json \\
+        --kvpress bench/results/needle-kvpress-2026-11-26.json --out bench/results/retrieval
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from datetime import date
+from pathlib import Path
+
+from bench.needle import MAX_NEW_TOKENS, Dataset, Sample, is_correct, load
+from engine import LLM, SamplingParams
+from engine.core.context_overflow import DEFAULT_KEEP, ContextOverflow
+
+POLICIES = ("snapkv", "h2o", "knorm", "sink")
+BUDGETS = (0.5, 0.25)
+
+
+def overflow(policy: str, budget: int) -> ContextOverflow | None:
+    """A policy at a budget of ``budget`` cached tokens (0: the full cache)."""
+    if not budget:
+        return None
+    if policy == "sink":  # any importance policy keeps exactly its sinks and window
+        return ContextOverflow("knorm", DEFAULT_KEEP, kv_budget=budget, window=budget)
+    return ContextOverflow(policy, kv_budget=budget)
+
+
+def engine(model: str, max_model_len: int, **kw) -> LLM:
+    return LLM(model, max_model_len=max_model_len, kv_scores=True, **kw)
+
+
+def accuracy(llm: LLM, samples: Sequence[Sample], policy: str, fraction: float) -> dict:
+    """Greedy answers to every sample under ``policy`` at ``fraction`` of its prompt."""
+    params = [
+        SamplingParams(
+            max_tokens=MAX_NEW_TOKENS,
+            temperature=0,
+            overflow=overflow(policy, round(fraction * s.length)),
+        )  # fmt: skip
+        for s in samples
+    ]
+    start = time.perf_counter()
+    outs = llm.generate([s.prompt_ids for s in samples], params)
+    seconds = time.perf_counter() - start
+    rows = [
+        dict(id=s.id, depth=s.depth, answer=s.answer, text=o.outputs[0].text,
+             correct=is_correct(o.outputs[0].text, s.answer))
+        for s, o in zip(samples, outs)
+    ]  # fmt: skip
+    hits = sum(r["correct"] for r in rows)
+    print(f"  {policy or 'full'} @ {fraction:g}: {hits}/{len(rows)} in {seconds:.0f} s", flush=True)
+    return dict(policy=policy or "full", budget=fraction, accuracy=hits / len(rows), rows=rows)
+
+
+def throughput(model: str, samples: Sequence[Sample], args, policy: str, fraction: float) -> dict:
+    """``args.concurrent`` prompts at once into a pool of ``args.pool_tokens``: output tok/s."""
+    llm = engine(
+        model, args.max_model_len, num_kv_blocks=args.pool_tokens // 16, block_size=16,
+        max_num_seqs=args.concurrent,
+    )  # fmt: skip
+    chosen = [samples[i % len(samples)] for i in range(args.concurrent)]
+    params = [
+        SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=0,
+            ignore_eos=True,
+            overflow=overflow(policy, round(fraction * s.length)),
+        )  # fmt: skip
+        for s in chosen
+    ]
+    llm.generate([chosen[0].prompt_ids[:64]], SamplingParams(max_tokens=2))  # warm up
+    runs = []
+    for _ in range(args.rounds):
+        start = time.perf_counter()
+        outs = llm.generate([s.prompt_ids for s in chosen], params)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        runs.append(tokens / seconds)
+    preemptions = llm.engine.scheduler.num_preemptions
+    tok_s = statistics.median(runs)
+    print(f"  {policy or 'full'} @ {fraction:g}: {tok_s:.1f} tok/s, {preemptions} preemptions")
+    return dict(policy=policy or "full", budget=fraction, tok_s=tok_s, runs=runs,
+                preemptions=preemptions)  # fmt: skip
+
+
+def kvpress_table(path: str | None) -> dict[tuple[str, float], float]:
+    """kvpress's accuracy by (method, budget) from ``bench.kvpress_peer``'s results."""
+    if not path:
+        return {}
+    data = json.loads(Path(path).read_text())
+    out = {}
+    for row in data.get("summary", []):
+        ratio = row.get("compression_ratio", 0.0) or 0.0
+        out[(row["press"], round(1.0 - ratio, 3))] = row["accuracy"]
+    return out
+
+
+KVPRESS_NAMES = {"snapkv": "snapkv", "knorm": "knorm", "sink": "streaming_llm", "h2o": "h2o"}
+
+
+def report(dataset: Dataset, acc: list[dict], tput: list[dict], peer: dict, args) -> str:
+    full = next(r["accuracy"] for r in acc if r["policy"] == "full")
+    lines = [
+        f"# Needle retrieval under KV eviction ({dataset.meta.get('model')})",
+        "",
+        f"{date.today()}, {platform.node()} ({platform.processor() or platform.machine()}), "
+        f"{len(dataset.samples)} prompts of {sorted({s.length for s in dataset.samples})} tokens, "
+        f"depths {sorted({s.depth for s in dataset.samples})}; greedy, {MAX_NEW_TOKENS} tokens.",
+        "",
+        f"`python -m bench.retrieval {' '.join(args.argv)}`",
+        "",
+        "| policy | KV budget | kvserve accuracy | of the full cache | kvpress accuracy |",
+        "|---|---|---|---|---|",
+    ]
+    for r in acc:
+        theirs = peer.get((KVPRESS_NAMES.get(r["policy"], "full"), round(r["budget"] or 1.0, 3)))
+        cells = [
+            r["policy"], f"{r['budget']:.0%}" if r["budget"] else "100%",
+            f"{r['accuracy']:.0%}", f"{r['accuracy'] / full:.0%}" if full else "-",
+            "-" if theirs is None else f"{theirs:.0%}",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    if tput:
+        base = next(t["tok_s"] for t in tput if t["policy"] == "full")
+        lines += [
+            "",
+            f"Throughput: {args.concurrent} concurrent prompts, {args.max_tokens} output tokens "
+            f"each, a pool of {args.pool_tokens} KV tokens; median of {args.rounds}.",
+            "",
+            "| policy | KV budget | output tok/s | vs full cache | preemptions |",
+            "|---|---|---|---|---|",
+        ]
+        for t in tput:
+            budget = f"{t['budget']:.0%}" if t["budget"] else "100%"
+            ratio = f"{t['tok_s'] / base:.2f}x"
+            cells = [t["policy"], budget, f"{t['tok_s']:.1f}", ratio, str(t["preemptions"])]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", required=True)
+    parser.add_argument("--model", default=None, help="default: the dataset's")
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES))
+    parser.add_argument("--budgets", type=float, nargs="+", default=list(BUDGETS))
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--kvpress", help="bench.kvpress_peer's results, shown beside ours")
+    parser.add_argument("--throughput", action="store_true")
+    parser.add_argument("--concurrent", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--pool-tokens", type=int, default=6656)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--out", required=True, help="path without suffix: .md and .json")
+    args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else __import__("sys").argv[1:]
+    dataset = load(args.dataset)
+    model = args.model or dataset.meta["model"]
+    # Room for every prompt at once: the full cache is measured without preemptions.
+    blocks = sum(-(-(s.length + MAX_NEW_TOKENS) // 16) for s in dataset.samples)
+    llm = engine(model, args.max_model_len, num_kv_blocks=blocks, block_size=16)
+    print("accuracy:", flush=True)
+    acc = [accuracy(llm, dataset.samples, "", 0.0)]
+    acc += [accuracy(llm, dataset.samples, p, b) for b in args.budgets for p in args.policies]
+    del llm
+    tput = []
+    if args.throughput:
+        print("throughput:", flush=True)
+        tput = [throughput(model, dataset.samples, args, "", 0.0)]
+        tput += [throughput(model, dataset.samples, args, "snapkv", b) for b in args.budgets]
+    text = report(dataset, acc, tput, kvpress_table(args.kvpress), args)
+    Path(args.out + ".md").write_text(text)
+    Path(args.out + ".json").write_text(json.dumps(dict(accuracy=acc, throughput=tput), indent=1))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
