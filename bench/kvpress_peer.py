@@ -261,6 +261,33 @@ def _write(path: Path, head: dict[str, Any], rows=(), throughput=()) -> None:
     path.write_text(json.dumps(data, indent=1) + "\n")
 
 
+def markdown(data: dict[str, Any]) -> str:
+    """The summary and throughput of a results file as markdown tables."""
+    lines = [
+        "| press | KV kept | prompts | exact match | needle keys kept | median prefill s | "
+        "decode tok/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in data.get("summary", []):
+        lines.append(
+            f"| {s['press']} | {1 - s['ratio']:.0%} | {s['prompts']} | {s['accuracy']:.0%} | "
+            f"{s['needle_kept']:.0%} | {s['median_prefill_s']:.1f} | {s['decode_tok_s']:.2f} |"
+        )
+    if data.get("throughput"):
+        lines += [
+            "",
+            "| press | KV kept | prompts x new tokens | output tok/s | wall s | decode tok/s |",
+            "|---|---|---|---|---|---|",
+        ]
+        for t in data["throughput"]:
+            new = t["output_tokens"] // t["prompts"]
+            lines.append(
+                f"| {t['press']} | {1 - t['ratio']:.0%} | {t['prompts']} x {new} | "
+                f"{t['output_tok_s']:.2f} | {t['wall_s']:.0f} | {t['decode_tok_s']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
 def configs(names: Sequence[str], ratios: Sequence[float]) -> list[tuple[str, float]]:
     """(press, ratio) pairs, the full cache first and once."""
     full = [("none", 0.0)] if "none" in names else []
@@ -269,8 +296,8 @@ def configs(names: Sequence[str], ratios: Sequence[float]) -> list[tuple[str, fl
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=["accuracy", "throughput"])
-    parser.add_argument("--dataset", required=True)
+    parser.add_argument("mode", choices=["accuracy", "throughput", "report"])
+    parser.add_argument("--dataset", help="not needed to report")
     parser.add_argument("--out", required=True)
     parser.add_argument("--presses", nargs="+", default=["none", *PRESSES])
     parser.add_argument("--ratios", type=float, nargs="+", default=list(RATIOS))
@@ -284,6 +311,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    out = Path(args.out)
+    if args.mode == "report":
+        print(markdown(json.loads(out.read_text())))
+        return
+    if args.dataset is None:
+        parser.error(f"{args.mode} needs --dataset")
     if args.threads:
         torch.set_num_threads(args.threads)
     dataset = load(args.dataset)
@@ -292,7 +325,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         keys = list(dict.fromkeys(s.answer for s in samples))
         samples = [s for s in samples if keys.index(s.answer) in args.keys]
     samples = samples[: args.limit]
-    out = Path(args.out)
     model, tokenizer = load_model(args.gguf)
     head = meta(argv, args.dataset, args.gguf, args.note)
     for name, ratio in configs(args.presses, args.ratios):
