@@ -106,12 +106,15 @@ def kvpress_table(path: str | None) -> dict[tuple[str, float], float]:
     data = json.loads(Path(path).read_text())
     out = {}
     for row in data.get("summary", []):
-        ratio = row.get("compression_ratio", 0.0) or 0.0
-        out[(row["press"], round(1.0 - ratio, 3))] = row["accuracy"]
+        budget = round(1.0 - (row.get("ratio") or 0.0), 3)
+        out[(row["press"], budget)] = (row["accuracy"], row["prompts"])
     return out
 
 
-KVPRESS_NAMES = {"snapkv": "snapkv", "knorm": "knorm", "sink": "streaming_llm", "h2o": "h2o"}
+KVPRESS_NAMES = {
+    "full": "none", "snapkv": "snapkv", "knorm": "knorm", "sink": "streaming_llm",
+    "h2o": "observed_attention",
+}  # fmt: skip
 
 
 def report(dataset: Dataset, acc: list[dict], tput: list[dict], peer: dict, args) -> str:
@@ -129,11 +132,11 @@ def report(dataset: Dataset, acc: list[dict], tput: list[dict], peer: dict, args
         "|---|---|---|---|---|",
     ]
     for r in acc:
-        theirs = peer.get((KVPRESS_NAMES.get(r["policy"], "full"), round(r["budget"] or 1.0, 3)))
+        theirs = peer.get((KVPRESS_NAMES[r["policy"]], round(r["budget"] or 1.0, 3)))
         cells = [
             r["policy"], f"{r['budget']:.0%}" if r["budget"] else "100%",
             f"{r['accuracy']:.0%}", f"{r['accuracy'] / full:.0%}" if full else "-",
-            "-" if theirs is None else f"{theirs:.0%}",
+            "-" if theirs is None else f"{theirs[0]:.0%} (of {theirs[1]})",
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     if tput:
@@ -158,6 +161,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--model", default=None, help="default: the dataset's")
+    parser.add_argument("--keys", nargs="+", help="only the prompts of these pass keys")
     parser.add_argument("--policies", nargs="+", default=list(POLICIES))
     parser.add_argument("--budgets", type=float, nargs="+", default=list(BUDGETS))
     parser.add_argument("--max-model-len", type=int, default=4096)
@@ -171,6 +175,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.argv = list(argv) if argv is not None else __import__("sys").argv[1:]
     dataset = load(args.dataset)
+    if args.keys:
+        dataset.samples[:] = [s for s in dataset.samples if s.answer in args.keys]
     model = args.model or dataset.meta["model"]
     # Room for every prompt at once: the full cache is measured without preemptions.
     blocks = sum(-(-(s.length + MAX_NEW_TOKENS) // 16) for s in dataset.samples)

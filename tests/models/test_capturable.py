@@ -83,7 +83,7 @@ class CachelessBackend(AttentionBackend):
     def prefill(self, *args):
         raise NotImplementedError("decode steps only")
 
-    def decode(self, q, kv_cache, meta, scale):
+    def decode(self, q, kv_cache, meta, scale, scores=None):
         return q[..., : kv_cache[1].shape[-1]].clone()
 
     def rotate_keys(self, cache, blocks, delta, layout):
