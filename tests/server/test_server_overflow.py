@@ -135,6 +135,7 @@ def test_a_request_chooses_its_context_policy(served):
 def test_overflow_field_is_in_the_openapi_schema(served):
     _, url = served
     schema = httpx.get(f"{url}/openapi.json").json()["components"]["schemas"]
-    assert set(schema["OverflowOptions"]["properties"]) == {"policy", "n_keep", "n_discard"}
+    fields = {"policy", "n_keep", "n_discard", "kv_budget", "window", "selection"}
+    assert set(schema["OverflowOptions"]["properties"]) == fields
     assert "overflow" in schema["CompletionRequest"]["properties"]
     assert "priority" in schema["ChatCompletionRequest"]["properties"]
