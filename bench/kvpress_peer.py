@@ -12,10 +12,13 @@ eviction (as kvserve does; kvpress's own pipeline compresses only a context and 
 question after). Then greedy decoding on the compressed cache, at positions that go on from the
 prompt's length, as kvpress's pipeline does.
 
+    make kvpress
     .venv-kvpress/bin/python -m bench.kvpress_peer accuracy \\
         --dataset bench/results/needle-2k.json --out bench/results/needle-kvpress.json
-    .venv-kvpress/bin/python -m bench.kvpress_peer throughput \\
-        --dataset bench/results/needle-2k.json --out bench/results/needle-kvpress.json
+    .venv-kvpress/bin/python -m bench.kvpress_peer throughput --presses none snapkv \\
+        --ratios 0.5 --limit 8 --dataset bench/results/needle-2k.json \\
+        --out bench/results/needle-kvpress.json
+    .venv-kvpress/bin/python -m bench.kvpress_peer report --out bench/results/needle-kvpress.json
 """
 
 from __future__ import annotations
