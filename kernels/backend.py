@@ -264,7 +264,8 @@ def sdpa_attend(q, k, v, scale, mask):
 
 class CpuBackend(TorchBackend):
     """The torch reference, with decode attention and cache writes by the C++ kernels (which
-    read and write every cache format) and prefill attention by torch's fused attention.
+    read and write every cache format, and add to importance scores) and prefill attention by
+    torch's fused attention.
 
     ``model_kernels``: whether the kernels also run the model, decided once by the model
     runner: its float32 and block-format linear layers (``prepare``) and, in a step of up to
@@ -305,11 +306,16 @@ class CpuBackend(TorchBackend):
             self._cpu.rotate_keys(cache, blocks, cos, sin, layout.start, layout.interleaved)
 
     def decode(self, q, kv_cache, meta, scale, scores=None):
-        if scores is None and all(self._cpu.takes_cache(c) for c in kv_cache):
+        if all(self._cpu.takes_cache(c) for c in kv_cache) and self._takes_scores(scores, meta):
             return self._cpu.decode_attention(
-                q, *kv_cache, meta.block_tables, meta.seq_lens, scale, meta.window
-            )
+                q, *kv_cache, meta.block_tables, meta.seq_lens, scale, meta.window, scores,
+                meta.score_from,
+            )  # fmt: skip
         return _reference_decode(q, kv_cache, meta, scale, scores)
+
+    def _takes_scores(self, scores, meta) -> bool:
+        """Whether the kernels add to these scores (None: none to add): full attention only."""
+        return scores is None or (meta.window == 0 and self._cpu.takes_scores(scores))
 
     def prepare(self, model: nn.Module) -> int:
         """Every float32 nn.Linear becomes a ``FastLinear`` over the same parameters (names
@@ -345,8 +351,8 @@ class CpuBackend(TorchBackend):
 
     def decoder_layers(self, layers, x, rope, batch):
         """One ``cpu.decoder_layers`` call, which writes and reads the caches itself (decodes
-        and prefill chunks alike, in the caches' formats), where it applies: at most
-        ``MAX_ROWS`` rows, no MLP bias (the fused layer adds none)."""
+        and prefill chunks alike, in the caches' formats) and adds to the importance scores,
+        where it applies: at most ``MAX_ROWS`` rows, no MLP bias (the fused layer adds none)."""
         if not self.model_kernels or x.shape[0] > self._cpu.MAX_ROWS:
             return None
         weights = [layer.weights for layer in layers]
@@ -355,14 +361,15 @@ class CpuBackend(TorchBackend):
         caches, metas = zip(*(batch.layer(layer.layer_id) for layer in layers))
         if not all(self._cpu.takes_cache(c) for kv in caches for c in kv):
             return None
-        scores = [batch.layer_scores(layer.layer_id) for layer in layers]
-        if any(s is not None and m.score_from is not None for s, m in zip(scores, metas)):
-            return None  # the fused layers accumulate no scores
-        for s, m in zip(scores, metas):
+        kept = [batch.layer_scores(layer.layer_id) for layer in layers]
+        added = [s if m.score_from is not None else None for s, m in zip(kept, metas)]
+        if not all(self._takes_scores(s, m) for s, m in zip(added, metas)):
+            return None
+        for s, m in zip(kept, metas):
             if s is not None:
                 reference.clear_scores(s, m.slot_mapping)
         return self._cpu.decoder_layers(
-            x, rope, weights, list(caches), list(metas), layers[0].constants
+            x, rope, weights, list(caches), list(metas), layers[0].constants, added
         )
 
 

@@ -167,12 +167,23 @@ def linear(x: torch.Tensor, parts: Parts | Weight, isa: str | None = None) -> to
 
 
 def decode_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int, isa: str | None = None
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    scale: float,
+    window: int,
+    scores: torch.Tensor | None = None,
+    score_from: torch.Tensor | None = None,
+    isa: str | None = None,
 ):
     """As ``reference.decode_attention``, without gathering the context first: the caches read
-    in their format (``takes_cache``), in float32 whatever q's dtype."""
+    in their format (``takes_cache``), in float32 whatever q's dtype. ``scores`` (float32,
+    contiguous; full attention only) get the attention of the sequences ``score_from`` counts,
+    as the reference adds it."""
     out = ops(isa).decode_attention(
-        q.float(), k_cache, v_cache, block_tables, seq_lens, scale, window
+        q.float(), k_cache, v_cache, block_tables, seq_lens, scale, window, scores, score_from
     )
     return out.to(q.dtype)
 
@@ -210,6 +221,7 @@ def decoder_layers(
     caches: list,
     metas: list,
     config: tuple,
+    scores: list | None = None,
     isa: str | None = None,
 ):
     """Pre-norm decoder layers for a step's new tokens (decodes and prefill chunks), in one call
@@ -218,8 +230,13 @@ def decoder_layers(
     chunk reads its own keys and values as the cache gives them back), ``metas`` its group's
     ``AttentionMetadata``.
     ``config`` (eps, norm offset, scale, num_heads, activation). The weights go by name
-    (``DecoderLayerWeights.named_tensors``): the kernel binds each to its slot by that name."""
+    (``DecoderLayerWeights.named_tensors``): the kernel binds each to its slot by that name.
+    ``scores``: per layer its importance scores or None; a layer's are added to as
+    ``decode_attention``'s, the rows its meta's ``score_from`` counts (its slots already
+    cleared: ``reference.clear_scores``)."""
     eps, offset, scale, heads, act = config
+    scores = scores or [None] * len(layers)
+    froms = [None if s is None else m.score_from for s, m in zip(scores, metas)]
     named = [w.named_tensors() for w in layers]
     # Layers may store a matrix in different numbers of parts: the names of all, None where a
     # layer has no such part.
@@ -232,12 +249,17 @@ def decoder_layers(
         [v for _, v in caches], [m.slot_mapping for m in metas], [m.block_tables for m in metas],
         [m.seq_lens for m in metas], [m.prefix_lens for m in metas],
         [m.cu_seqlens_q for m in metas], [m.num_decodes for m in metas],
-        [m.window for m in metas], eps, offset, scale, heads, ACTIVATIONS[act],
+        [m.window for m in metas], eps, offset, scale, heads, ACTIVATIONS[act], scores, froms,
     )  # fmt: skip
 
 
 def usable(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.float32
+
+
+def takes_scores(scores: torch.Tensor) -> bool:
+    """Whether the kernels add to these importance scores: float32 on the CPU, contiguous."""
+    return usable(scores) and scores.is_contiguous()
 
 
 def takes_cache(cache: torch.Tensor) -> bool:

@@ -12,15 +12,24 @@ namespace kvserve {
 
 // A query vector of a unit and its running softmax over the unit's rows lo .. hi - 1: `out`
 // holds the sum of exp(score - mx) v over the rows taken so far, `sum` that of exp(score - mx).
+// A query whose row counts for the scores keeps the weight exp(score - mx) of each row i at
+// kept[i], mx as it was once row i's tile was taken, at maxima[i / tile].
 struct QueryState {
   const float* q;
   float* out;
   int64_t lo, hi;
   float mx, sum;
+  float *kept = nullptr, *maxima = nullptr;
 };
 
 AttentionScratch::AttentionScratch() = default;
 AttentionScratch::~AttentionScratch() = default;
+
+int64_t score_owners(int64_t threads) {
+  int64_t n = 1;
+  while (n < threads) n *= 2;
+  return n;
+}
 
 namespace {
 
@@ -34,7 +43,9 @@ struct TileShape {
   float scale;
 };
 
-void prepare(AttentionScratch& s, int64_t n, int64_t queries, const TileShape& t, int64_t rotated) {
+// Space for a unit of n rows and `queries` queries, `counted` of which keep their weights.
+void prepare(AttentionScratch& s, int64_t n, int64_t queries, const TileShape& t, int64_t rotated,
+             int64_t counted) {
   s.krows.resize(n);
   s.vrows.resize(n);
   s.ktile.resize(t.tile);
@@ -43,6 +54,9 @@ void prepare(AttentionScratch& s, int64_t n, int64_t queries, const TileShape& t
   s.tile.resize(t.tile * std::max(t.Dk, t.Dv));
   s.scores.resize(queries * t.tile);
   s.rotated.resize(rotated);
+  if (counted * n > s.kept_size)  // uninitialized: every weight read is written first
+    s.kept = std::make_unique_for_overwrite<float[]>(s.kept_size = counted * n);
+  s.maxima.resize(counted * ((n + t.tile - 1) / t.tile));
   s.queries.resize(queries);
 }
 
@@ -59,6 +73,21 @@ inline float exp_shifted(float* s, int64_t n, float mx) {
   float total = hsum(acc);
   for (; i < n; ++i) total += (s[i] = std::exp(s[i] - mx));
   return total;
+}
+
+// Query qs, the c-th counted of a unit of n rows, keeps its weights in s.
+void keep(QueryState& qs, AttentionScratch& s, int64_t c, int64_t n, const TileShape& t) {
+  qs.kept = s.kept.get() + c * n;
+  qs.maxima = s.maxima.data() + c * ((n + t.tile - 1) / t.tile);
+}
+
+// dst[i] += f x[i] over n floats; dst[i] = f x[i] when not `add`.
+inline void add_scaled(const float* x, int64_t n, float f, float* dst, bool add) {
+  int64_t i = 0;
+  const vec8 fv = splat8(f);
+  for (; i + 8 <= n; i += 8)
+    store8(dst + i, add ? fma8(load8(x + i), fv, load8(dst + i)) : mul8(load8(x + i), fv));
+  for (; i < n; ++i) dst[i] = add ? dst[i] + f * x[i] : f * x[i];
 }
 
 // x[D] *= f.
@@ -150,18 +179,23 @@ void attend_tile(QueryState* qs, int64_t nq, const uint8_t* const* k, const uint
   const auto part = [&](const QueryState& q) {
     return std::pair<int64_t, int64_t>{std::max<int64_t>(q.lo - t0, 0), std::min(q.hi - t0, m)};
   };
+  // Query j's weights of rows a .. b - 1: kept where it counts, else in the tile's scratch.
+  const auto weights = [&](int64_t j, int64_t a) {
+    return qs[j].kept != nullptr ? qs[j].kept + t0 + a : s.scores.data() + j * t.tile;
+  };
   const float* const* keys = tile_floats<F>(k, m, t.Dk, s);
   for (int64_t j = 0; j < nq; ++j) {
     const auto [a, b] = part(qs[j]);
     if (a >= b) continue;
-    float* scores = s.scores.data() + j * t.tile;
-    scores_of(qs[j].q, keys + a, b - a, t.Dk, t.scale, scores);
-    take_scores(qs[j], scores, b - a, t.Dv);
+    float* w = weights(j, a);
+    scores_of(qs[j].q, keys + a, b - a, t.Dk, t.scale, w);
+    take_scores(qs[j], w, b - a, t.Dv);
+    if (qs[j].maxima != nullptr) qs[j].maxima[t0 / t.tile] = qs[j].mx;
   }
   const float* const* values = tile_floats<F>(v, m, t.Dv, s);
   for (int64_t j = 0; j < nq; ++j) {
     const auto [a, b] = part(qs[j]);
-    if (a < b) add_weighted(s.scores.data() + j * t.tile, values + a, b - a, t.Dv, qs[j].out);
+    if (a < b) add_weighted(weights(j, a), values + a, b - a, t.Dv, qs[j].out);
   }
 }
 
@@ -186,6 +220,49 @@ void finish(const QueryState& qs, int64_t Dv) {
   if constexpr (stored_rotated(F)) hadamard(qs.out, Dv);
 }
 
+// dst [the unit's rows] += the probabilities that the query, its softmax done, pays its rows
+// (dst = them, when not `add`): its kept weights, each tile's moved from the max of its time to
+// the final one.
+void add_probabilities(const QueryState& qs, int64_t tile, float* dst, bool add = true) {
+  for (int64_t t0 = qs.lo / tile * tile; t0 < qs.hi; t0 += tile) {
+    const int64_t a = std::max(qs.lo, t0), b = std::min(qs.hi, t0 + tile);
+    const float f = std::exp(qs.maxima[t0 / tile] - qs.mx) / qs.sum;
+    add_scaled(qs.kept + a, b - a, f, dst + a, add);
+  }
+}
+
+// f(slot, p0, p1) for each run p0 .. p1 - 1 of sequence b's positions lo .. hi - 1 that one
+// block holds (slot: p0's), of the blocks that `owner` of `owners` owns (score_owners). Full
+// attention: no ring.
+template <class F>
+void owned_runs(const CacheView& c, int64_t b, int64_t lo, int64_t hi, int64_t owner,
+                int64_t owners, F&& f) {
+  const int64_t bs = c.k.bs;
+  for (int64_t i = lo / bs; i * bs < hi; ++i) {
+    const int64_t block = c.tables[b * c.W + i], p0 = std::max(lo, i * bs);
+    if ((block & (owners - 1)) == owner) f(block * bs + p0 - i * bs, p0, std::min(hi, i * bs + bs));
+  }
+}
+
+// into[(p - p0) * H] += the sum over r < rows of src[r * stride + p], for p in p0 .. p1 - 1:
+// one KV head's scores of a run of slots (each slot's H heads adjacent).
+void add_run(const float* src, int64_t stride, int64_t rows, int64_t p0, int64_t p1, float* into,
+             int64_t H) {
+  for (int64_t c = p0; c < p1; c += 8) {
+    const int64_t n = std::min<int64_t>(8, p1 - c);
+    float sum[8] = {};
+    if (n == 8) {
+      vec8 acc = zero8();
+      for (int64_t r = 0; r < rows; ++r) acc = add8(acc, load8(src + r * stride + c));
+      store8(sum, acc);
+    } else {
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < n; ++i) sum[i] += src[r * stride + c + i];
+    }
+    for (int64_t i = 0; i < n; ++i) into[(c - p0 + i) * H] += sum[i];
+  }
+}
+
 // Requests rows into L2 ahead of their tile: `bytes` from each.
 void request(const uint8_t* const* rows, int64_t n, int64_t bytes) {
   for (int64_t i = 0; i < n; ++i) prefetch_bytes_l2(rows[i], bytes);
@@ -194,13 +271,21 @@ void request(const uint8_t* const* rows, int64_t n, int64_t bytes) {
 }  // namespace
 
 PagedAttention::PagedAttention(const CacheView& cache_, const Queries& q_, const int32_t* lens_,
-                               int64_t B_, int64_t threads)
-    : cache(cache_), q(q_), lens(lens_), B(B_) {
+                               int64_t B_, int64_t threads, const ScoreSink& sink_)
+    : cache(cache_), q(q_), lens(lens_), B(B_), sink(sink_) {
   int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) longest = std::max<int64_t>(longest, span(b));
   const int64_t wanted = (2 * threads + B - 1) / std::max<int64_t>(1, B);
   parts = std::max<int64_t>(1, std::min(wanted, longest / MIN_PART));
   if (parts > 1) partial = at::empty({units() * q.heads * (2 + cache.v.dim)}, at::kFloat);
+  if (sink.into == nullptr) return;
+  TORCH_CHECK(cache.window == 0, "importance scores are kept for full attention only");
+  mass_at.assign(B, -1);
+  const int64_t rows = cache.k.heads * rows_per_kv_head();
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b)
+    if (lens[b] - 1 >= sink.from[b]) mass_at[b] = total, total += rows * span(b);
+  mass = at::empty({total}, at::kFloat);
 }
 
 int64_t PagedAttention::first(int64_t b) const {
@@ -219,7 +304,7 @@ void PagedAttention::unit_in(int64_t u, AttentionScratch& s) const {
   const CacheRows &k = cache.k, &v = cache.v;
   const int64_t Hq = q.heads, G = Hq / k.heads, Dk = k.dim, Dv = v.dim;
   const TileShape shape{Dk, Dv, tile_rows(std::max(Dk, Dv)), q.scale};
-  prepare(s, n, Hq, shape, stored_rotated(F) ? Hq * Dk : 0);
+  prepare(s, n, Hq, shape, stored_rotated(F) ? Hq * Dk : 0, counted(b) ? Hq : 0);
   // Head 0's rows of positions lo .. hi - 1, one table lookup per block (a ring of W with a
   // window); each further head's rows are these moved by the head stride.
   for (int64_t pos = lo; pos < hi;) {
@@ -236,6 +321,7 @@ void PagedAttention::unit_in(int64_t u, AttentionScratch& s) const {
                            : q.out + (b * Hq + hq) * Dv;
     s.queries[hq] = query_of<F>(q.q + b * q.stride + hq * Dk, Dk, s.rotated.data() + hq * Dk,
                                 out, Dv, 0, n);
+    if (counted(b)) keep(s.queries[hq], s, hq, n, shape);
   }
   // A tile's rows of every head in turn: the slot's rows of all heads leave memory once.
   const int64_t ahead_k = (k.heads - 1) * k.s2 + k.row_bytes();
@@ -258,6 +344,18 @@ void PagedAttention::unit_in(int64_t u, AttentionScratch& s) const {
     finish<F>(qs, Dv);
     if (parts > 1) qs.out[-2] = qs.mx, qs.out[-1] = qs.sum;
   }
+  if (counted(b)) keep_probabilities(b, lo - first(b), s.queries.data(), shape.tile);
+}
+
+// Sequence b's mass from position `at` of its span on, over a unit's rows <- the probabilities
+// that its query heads qs pay them.
+void PagedAttention::keep_probabilities(int64_t b, int64_t at, const QueryState* qs,
+                                        int64_t tile) const {
+  const int64_t whole = span(b), heads_per_row = q.heads / cache.k.heads / rows_per_kv_head();
+  float* m = mass.data_ptr<float>() + mass_at[b] + at;
+  // Each query reads all the unit's rows: the first of a row of mass sets it.
+  for (int64_t hq = 0; hq < q.heads; ++hq)
+    add_probabilities(qs[hq], tile, m + hq / heads_per_row * whole, hq % heads_per_row > 0);
 }
 
 void PagedAttention::merge(int64_t row) const {
@@ -269,11 +367,29 @@ void PagedAttention::merge(int64_t row) const {
   for (int64_t i = 0; i < parts; ++i) total += p0[i * stride + 1] * std::exp(p0[i * stride] - mx);
   float* o = q.out + row * Dv;
   std::fill_n(o, Dv, 0.f);
+  const int64_t whole = span(b);
+  float* m = counted(b) ? mass.data_ptr<float>() + mass_at[b] + hq * whole : nullptr;
   for (int64_t i = 0; i < parts; ++i) {
     const float* p = p0 + i * stride;
     if (p[1] == 0.f) continue;  // an empty part
     const float w = p[1] * std::exp(p[0] - mx) / total;
     for (int64_t c = 0; c < Dv; ++c) o[c] += w * p[2 + c];
+    // The part's probabilities, relative to its own softmax, weighed as its output is.
+    const int64_t a = whole * i / parts;
+    if (m != nullptr) scale_row(m + a, whole * (i + 1) / parts - a, w);
+  }
+}
+
+void PagedAttention::add_scores(int64_t owner, int64_t owners) const {
+  const int64_t H = cache.k.heads, per = rows_per_kv_head();
+  for (int64_t b = 0; b < B; ++b) {
+    if (!counted(b)) continue;
+    const float* m = mass.data_ptr<float>() + mass_at[b];
+    const int64_t whole = span(b);
+    owned_runs(cache, b, 0, lens[b], owner, owners, [&](int64_t slot, int64_t p0, int64_t p1) {
+      for (int64_t h = 0; h < H; ++h)
+        add_run(m + h * per * whole, whole, per, p0, p1, sink.into + slot * H + h, H);
+    });
   }
 }
 
@@ -285,16 +401,45 @@ void PagedAttention::run() const {
   at::parallel_for(0, rows_to_merge(), 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) merge(r);
   });
+  if (sink.into == nullptr) return;
+  const int64_t owners = score_owners(at::get_num_threads());
+  at::parallel_for(0, owners, 1, [&](int64_t o0, int64_t o1) {
+    for (int64_t o = o0; o < o1; ++o) add_scores(o, owners);
+  });
 }
 
 PrefillAttention::PrefillAttention(const CacheView& cache_, const Queries& q_,
-                                   const AttentionMeta& meta, const NewRows& fresh_)
-    : cache(cache_), q(q_), fresh(fresh_), prefix(meta.prefix_lens), cu(meta.cu_seqlens_q) {
+                                   const AttentionMeta& meta, const NewRows& fresh_,
+                                   const ScoreSink& sink_)
+    : cache(cache_), q(q_), fresh(fresh_), prefix(meta.prefix_lens), cu(meta.cu_seqlens_q),
+      sink(sink_) {
+  blocks_of.assign(meta.num_decodes + 1, 0);
   for (int64_t b = meta.num_decodes; b < meta.B; ++b) {
     TORCH_CHECK(prefix[b] >= 0 && (cache.window > 0 || prefix[b] <= cache.W * cache.k.bs),
                 "a prefix is longer than its block table");
     for (int64_t r = cu[b]; r < cu[b + 1]; r += ROWS) seq.push_back(b), row0.push_back(r);
+    blocks_of.push_back(seq.size());
   }
+  if (sink.into == nullptr) return;
+  TORCH_CHECK(cache.window == 0, "importance scores are kept for full attention only");
+  mass_at.assign(seq.size(), -1);
+  int64_t total = 0;
+  for (size_t i = 0; i < seq.size(); ++i) {
+    if (first_counted(i) >= std::min<int64_t>(row0[i] + ROWS, cu[seq[i] + 1])) continue;
+    TORCH_CHECK(keys(i) <= cache.W * cache.k.bs, "a chunk is longer than its block table");
+    mass_at[i] = total, total += cache.k.heads * keys(i);
+  }
+  mass = at::empty({total}, at::kFloat);
+}
+
+int64_t PrefillAttention::keys(int64_t i) const {
+  const int64_t b = seq[i], r1 = std::min<int64_t>(row0[i] + ROWS, cu[b + 1]);
+  return prefix[b] + r1 - cu[b];
+}
+
+int64_t PrefillAttention::first_counted(int64_t i) const {
+  const int64_t b = seq[i];
+  return std::max<int64_t>(row0[i], int64_t{cu[b]} + sink.from[b] - prefix[b]);
 }
 
 int64_t PrefillAttention::lowest(int64_t pos) const {
@@ -309,11 +454,13 @@ template <KvFormat F>
 void PrefillAttention::unit_in(int64_t u, AttentionScratch& s) const {
   const CacheRows &k = cache.k, &v = cache.v;
   const int64_t Hkv = k.heads, Dk = k.dim, Dv = v.dim, G = q.heads / Hkv;
-  const int64_t b = seq[u / Hkv], h = u % Hkv, r0 = row0[u / Hkv];
+  const int64_t i = u / Hkv, b = seq[i], h = u % Hkv, r0 = row0[i];
   const int64_t c0 = cu[b], r1 = std::min<int64_t>(r0 + ROWS, cu[b + 1]), P = prefix[b];
   const int64_t lo = lowest(P + r0 - c0), hi = P + r1 - c0, n = hi - lo, nq = (r1 - r0) * G;
   const TileShape shape{Dk, Dv, tile_rows(std::max(Dk, Dv)), q.scale};
-  prepare(s, n, nq, shape, stored_rotated(F) ? nq * Dk : 0);
+  const bool scored = !mass_at.empty() && mass_at[i] >= 0;
+  const int64_t counted = scored ? first_counted(i) : r1;  // rows counted .. r1 - 1 count
+  prepare(s, n, nq, shape, stored_rotated(F) ? nq * Dk : 0, (r1 - counted) * G);
   for (int64_t pos = lo; pos < hi; ++pos) {
     if (pos < P) {
       const auto [k0, v0] = cache.rows(b, pos);
@@ -330,6 +477,7 @@ void PrefillAttention::unit_in(int64_t u, AttentionScratch& s) const {
       s.queries[j] = query_of<F>(q.q + r * q.stride + hq * Dk, Dk, s.rotated.data() + j * Dk,
                                  q.out + (r * q.heads + hq) * Dv, Dv, lowest(pos) - lo,
                                  pos - lo + 1);
+      if (r >= counted) keep(s.queries[j], s, (r - counted) * G + g, n, shape);
     }
   }
   for (int64_t t0 = 0; t0 < n; t0 += shape.tile) {
@@ -338,6 +486,30 @@ void PrefillAttention::unit_in(int64_t u, AttentionScratch& s) const {
                    s);
   }
   for (int64_t j = 0; j < nq; ++j) finish<F>(s.queries[j], Dv);
+  if (!scored) return;
+  float* m = mass.data_ptr<float>() + mass_at[i] + h * n;  // full attention: lo is 0
+  std::fill_n(m, n, 0.f);
+  for (int64_t j = (counted - r0) * G; j < nq; ++j) add_probabilities(s.queries[j], shape.tile, m);
+}
+
+void PrefillAttention::add_scores(int64_t owner, int64_t owners) const {
+  if (mass_at.empty()) return;
+  const int64_t H = cache.k.heads;
+  for (int64_t b = 0; b + 1 < static_cast<int64_t>(blocks_of.size()); ++b) {
+    // The counted rows are the last of the chunk: its last block of rows has some if any has,
+    // and reads every key that any reads.
+    const int64_t i0 = blocks_of[b], i1 = blocks_of[b + 1];
+    if (i0 == i1 || mass_at[i1 - 1] < 0) continue;
+    owned_runs(cache, b, 0, keys(i1 - 1), owner, owners, [&](int64_t slot, int64_t p0, int64_t p1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t n = keys(i);
+        if (mass_at[i] < 0 || n <= p0) continue;
+        for (int64_t h = 0; h < H; ++h)
+          add_run(mass.data_ptr<float>() + mass_at[i] + h * n, 0, 1, p0, std::min(p1, n),
+                  sink.into + slot * H + h, H);
+      }
+    });
+  }
 }
 
 }  // namespace kvserve

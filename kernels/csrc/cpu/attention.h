@@ -4,11 +4,18 @@
 // Rows are read in the cache's format (kv_format.h) a tile at a time, each tile by all the
 // query heads that attend it, with a running softmax in float32 as flash attention keeps it;
 // kernels.reference is what the tests compare with.
+//
+// Both may also add to the keys' importance scores (ScoreSink). A probability needs the final
+// maximum and sum of its query's softmax, known only once all its keys are read: a unit keeps
+// the weights exp(score - max) of its counted queries as the running softmax makes them, with
+// the max of each tile's time (the pass over the cache stays one), turns them into
+// probabilities at its end, and a later phase adds them to the scores.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -52,6 +59,20 @@ struct Queries {
   float* out;
 };
 
+// Importance scores (kernels.reference, eviction by importance): `into` [cache slots, Hkv]
+// float32 beside a layer's cache, in its block layout. A query row of sequence b whose slot is
+// at least from[b] adds to each key it reads the probability it pays it, summed over the query
+// heads of the key's KV head. Full attention only; into nullptr: no scores kept.
+struct ScoreSink {
+  float* into = nullptr;
+  const int32_t* from = nullptr;
+};
+
+// The keys' scores are added in a phase of their own, split into `owners` (a power of two, at
+// least the threads) by block: a block's scores are added by its owner alone, so that sequences
+// sharing a block (a cached prefix) never add to one score at once.
+int64_t score_owners(int64_t threads);
+
 struct QueryState;
 
 // A thread's space for a unit's rows, queries and tiles, kept from unit to unit.
@@ -60,6 +81,9 @@ struct AttentionScratch {
   std::vector<const uint8_t*> ktile, vtile;  // a tile's rows of one head
   std::vector<const float*> floats;          // a tile's rows as floats
   std::vector<float> tile, scores, rotated;  // converted rows, scores per query, rotated queries
+  std::unique_ptr<float[]> kept;             // counted queries' weights (QueryState)
+  int64_t kept_size = 0;
+  std::vector<float> maxima;
   std::vector<QueryState> queries;
 
   AttentionScratch();
@@ -72,6 +96,10 @@ struct AttentionScratch {
 // few to occupy the threads (a batch of one), each context is cut into parts whose partial
 // softmax results (max, sum and normalized output per query head) are merged after, as
 // flash-decoding does.
+//
+// With scores, each counted sequence keeps its keys' probabilities in `mass`, [rows, span]:
+// without parts a row per KV head, its group's probabilities summed; with parts a row per query
+// head, each part's relative to its own softmax until merge weighs it.
 struct PagedAttention {
   static constexpr int64_t MIN_PART = 32;  // positions
   CacheView cache;
@@ -79,23 +107,31 @@ struct PagedAttention {
   const int32_t* lens;
   int64_t B, parts = 1;
   at::Tensor partial;  // [units, heads, 2 + value dim]: max, sum, output; only with parts > 1
+  ScoreSink sink;
+  at::Tensor mass;
+  std::vector<int64_t> mass_at;  // per sequence its rows' offset in mass; -1: not counted
 
   PagedAttention(const CacheView& cache, const Queries& q, const int32_t* lens, int64_t B,
-                 int64_t threads);
+                 int64_t threads, const ScoreSink& sink = {});
 
   int64_t units() const { return B * parts; }
   void unit(int64_t u, AttentionScratch& s) const;
   // Query heads' rows of the output (B * heads of them) from the parts, when there are parts.
   int64_t rows_to_merge() const { return parts > 1 ? B * q.heads : 0; }
   void merge(int64_t row) const;
-  // All the units, then the merges, on torch's threads.
+  // The scores of the keys in the blocks of `owner` (score_owners), after the merges.
+  void add_scores(int64_t owner, int64_t owners) const;
+  // All the units, then the merges, then the scores, on torch's threads.
   void run() const;
 
  private:
   int64_t first(int64_t b) const;
   int64_t span(int64_t b) const { return lens[b] - first(b); }
+  bool counted(int64_t b) const { return !mass_at.empty() && mass_at[b] >= 0; }
+  int64_t rows_per_kv_head() const { return parts > 1 ? q.heads / cache.k.heads : 1; }
   template <KvFormat F>
   void unit_in(int64_t u, AttentionScratch& s) const;
+  void keep_probabilities(int64_t b, int64_t at, const QueryState* qs, int64_t tile) const;
 };
 
 // Where a prefill chunk's new keys and values are read: row r's head h at k + r * row + h * head
@@ -111,6 +147,9 @@ struct NewRows {
 // block table. The cache gets the new rows after. A unit is a block of up to ROWS query rows
 // of one sequence and one KV head with its query heads: each tile of its keys and values is
 // read once for all of them.
+//
+// With scores, a block of rows with counted rows keeps in `mass` [KV heads, keys it reads] the
+// probabilities its counted rows pay each key, summed; add_scores sums the blocks of a sequence.
 struct PrefillAttention {
   static constexpr int64_t ROWS = 16;
   CacheView cache;
@@ -118,15 +157,23 @@ struct PrefillAttention {
   NewRows fresh;
   const int32_t *prefix, *cu;
   std::vector<int64_t> seq, row0;  // per block of rows: its sequence and first row
+  std::vector<int64_t> blocks_of;  // sequence b's blocks of rows: blocks_of[b] .. blocks_of[b + 1]
+  ScoreSink sink;
+  at::Tensor mass;
+  std::vector<int64_t> mass_at;  // per block of rows its offset in mass; -1: no row counted
 
   PrefillAttention(const CacheView& cache, const Queries& q, const AttentionMeta& meta,
-                   const NewRows& fresh);
+                   const NewRows& fresh, const ScoreSink& sink = {});
 
   int64_t units() const { return static_cast<int64_t>(seq.size()) * cache.k.heads; }
   void unit(int64_t u, AttentionScratch& s) const;
+  // The scores of the keys in the blocks of `owner` (score_owners), after every unit.
+  void add_scores(int64_t owner, int64_t owners) const;
 
  private:
   int64_t lowest(int64_t pos) const;
+  int64_t keys(int64_t i) const;           // block of rows i: the keys its last row reads
+  int64_t first_counted(int64_t i) const;  // block of rows i: its first row that counts
   template <KvFormat F>
   void unit_in(int64_t u, AttentionScratch& s) const;
 };

@@ -49,10 +49,13 @@ at::Tensor linear_op(const at::Tensor& x, const std::vector<at::Tensor>& weights
   return y.view(sizes);
 }
 
-// q [B, Hq, Dk] -> [B, Hq, Dv], the caches read in their format.
+// q [B, Hq, Dk] -> [B, Hq, Dv], the caches read in their format; with scores, the counted
+// sequences' attention added to them (sink_of).
 at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& block_tables,
-                               const at::Tensor& seq_lens, double scale, int64_t window) {
+                               const at::Tensor& seq_lens, double scale, int64_t window,
+                               const std::optional<at::Tensor>& scores,
+                               const std::optional<at::Tensor>& score_from) {
   check_f32(q, "q");
   auto qc = q.contiguous();
   auto tables = block_tables.contiguous();
@@ -63,7 +66,8 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache,
   auto out = at::empty({B, Hq, view.v.dim}, qc.options());
   const Queries queries{qc.data_ptr<float>(), Hq * Dk, Hq, static_cast<float>(scale),
                         out.data_ptr<float>()};
-  PagedAttention(view, queries, lens.data_ptr<int32_t>(), B, at::get_num_threads()).run();
+  const ScoreSink sink = sink_of(scores, score_from, view.k, B, window);
+  PagedAttention(view, queries, lens.data_ptr<int32_t>(), B, at::get_num_threads(), sink).run();
   return out;
 }
 
@@ -146,7 +150,8 @@ KVSERVE_LIBRARY(KVSERVE_OPS, m) {
   m.def("linear(Tensor x, Tensor[] weights, Tensor?[] biases, int[] formats) -> Tensor");
   m.def(
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale, int window) -> Tensor");
+      "Tensor seq_lens, float scale, int window, Tensor(a!)? scores=None, "
+      "Tensor? score_from=None) -> Tensor");
   m.def("write_cache(Tensor(a!) cache, Tensor rows, Tensor slots) -> ()");
   m.def(
       "rotate_keys(Tensor(a!) cache, Tensor blocks, Tensor cos, Tensor sin, int start, "
@@ -154,15 +159,15 @@ KVSERVE_LIBRARY(KVSERVE_OPS, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps, float offset) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("gated_act(Tensor h, int act) -> Tensor");
-  // Per layer: cos, sin [T, head_dim], k and v caches, its group's attention metadata, and its
+  // Per layer: cos, sin [T, head_dim], k and v caches, its group's attention metadata, its
   // weights by name (weight_names.size() entries of weights and weight_formats per layer, None
-  // for an absent one).
+  // for an absent one), and its importance scores and score_from (None: none kept).
   m.def(
       "decoder_layers(Tensor x, Tensor[] cos, Tensor[] sin, str[] weight_names, "
       "Tensor?[] weights, int[] weight_formats, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor[] slots, "
       "Tensor[] block_tables, Tensor[] seq_lens, Tensor[] prefix_lens, Tensor[] cu_seqlens_q, "
       "int[] num_decodes, int[] windows, float eps, float offset, float scale, int num_heads, "
-      "int act) -> Tensor");
+      "int act, Tensor(c!)?[] scores, Tensor?[] score_from) -> Tensor");
 }
 
 KVSERVE_LIBRARY_IMPL(KVSERVE_OPS, m) {

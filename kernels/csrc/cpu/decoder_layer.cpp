@@ -64,6 +64,7 @@ struct DecoderLayer {
   NewRows fresh;            // the prefill chunks' keys and values as the cache gives them back
   PagedAttention paged;     // the decodes: rows 0 .. nd - 1
   PrefillAttention chunks;  // the prefill chunks: rows nd .. T - 1
+  bool scored;              // whether attention adds to importance scores
 
   DecoderLayer(const LayerInputs& in, const LayerConstants& c, int64_t T_, int64_t H_,
                const LayerScratch& sc, int64_t threads)
@@ -71,8 +72,10 @@ struct DecoderLayer {
         slot(in.meta.slots), T(T_), nd(in.meta.num_decodes), H(H_), Hq(c.num_heads),
         Hkv(k_cache.heads), D(k_cache.dim), nq(Hq * D), nkv(Hkv * D), nqkv(nq + 2 * nkv),
         I(w.down.K), act(c.act), eps(c.eps), off(c.norm_offset), fresh(new_rows(sc)),
-        paged(in.cache, {sc.qkv, nqkv, Hq, c.scale, sc.attn}, in.meta.seq_lens, nd, threads),
-        chunks(in.cache, {sc.qkv, nqkv, Hq, c.scale, sc.attn}, in.meta, fresh) {
+        paged(in.cache, {sc.qkv, nqkv, Hq, c.scale, sc.attn}, in.meta.seq_lens, nd, threads,
+              in.scores),
+        chunks(in.cache, {sc.qkv, nqkv, Hq, c.scale, sc.attn}, in.meta, fresh, in.scores),
+        scored(in.scores.into != nullptr) {
     const int64_t R = k_cache.row_bytes();
     TORCH_CHECK(v_cache.dim == D && k_cache.s2 == R && v_cache.s2 == R,
                 "the layer's cache slots must be dense [heads, head_dim] rows");
@@ -115,6 +118,7 @@ struct DecoderLayer {
       finish_attention(p.team());
 #pragma omp barrier
     }
+    if (scored) add_scores(p.team());  // no barrier after: nothing in the layers reads them
     p.products.multiply(w.o, sc.attn, sc.h, p.next(O), nothing);
     if (w.post_attention_norm != nullptr) {
 #pragma omp barrier
@@ -210,6 +214,16 @@ struct DecoderLayer {
       if (slot[r] < 0) continue;
       std::memcpy(k_cache.slot(slot[r]) + head * k_cache.s2, fresh.k + at, R);
       std::memcpy(v_cache.slot(slot[r]) + head * v_cache.s2, fresh.v + at, R);
+    }
+  }
+
+  // This thread's share of the keys' scores, once the decodes' parts are merged.
+  void add_scores(Team team) const {
+    const int64_t owners = score_owners(team.nt);
+    auto [o0, o1] = team.share(owners);
+    for (int64_t o = o0; o < o1; ++o) {
+      paged.add_scores(o, owners);
+      chunks.add_scores(o, owners);
     }
   }
 

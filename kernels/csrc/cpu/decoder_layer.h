@@ -45,12 +45,13 @@ struct LayerConstants {
 };
 
 // One layer of the step: its weights, the rotary cos and sin [T, head_dim] of each new token,
-// its cache and its cache group's metadata.
+// its cache and its cache group's metadata, and the importance scores its attention adds to.
 struct LayerInputs {
   LayerWeights weights;
   const float *cos, *sin;
   CacheView cache;
   AttentionMeta meta;
+  ScoreSink scores;
 };
 
 // y [T, hidden] = the layers of x [T, hidden], on torch's threads; the layers' caches get the

@@ -137,7 +137,7 @@ struct LayerLists {
       prefix_lens, cu_seqlens_q;
   std::vector<int64_t> num_decodes, windows, formats;
   std::vector<std::string> weight_names;
-  c10::List<std::optional<at::Tensor>> weights;
+  c10::List<std::optional<at::Tensor>> weights, scores, score_from;
   size_t L;
 
   explicit LayerLists(const Args& a)
@@ -148,18 +148,21 @@ struct LayerLists {
         cu_seqlens_q(a["cu_seqlens_q"].toTensorVector()),
         num_decodes(a["num_decodes"].toIntVector()), windows(a["windows"].toIntVector()),
         formats(a["weight_formats"].toIntVector()),
-        weights(a["weights"].toOptionalTensorList()), L(k_caches.size()) {
+        weights(a["weights"].toOptionalTensorList()),
+        scores(a["scores"].toOptionalTensorList()),
+        score_from(a["score_from"].toOptionalTensorList()), L(k_caches.size()) {
     for (const c10::IValue& name : a["weight_names"].toListRef())
       weight_names.push_back(name.toStringRef());
     const size_t sizes[] = {cos.size(),          sin.size(),         v_caches.size(),
                             slots.size(),        block_tables.size(), seq_lens.size(),
                             prefix_lens.size(),  cu_seqlens_q.size(), num_decodes.size(),
-                            windows.size()};
+                            windows.size(),      scores.size(),       score_from.size()};
     const auto one_per_layer = [&](size_t n) { return n == L; };
     TORCH_CHECK(L > 0 && weights.size() == L * weight_names.size() &&
                     formats.size() == weights.size() &&
                     std::all_of(std::begin(sizes), std::end(sizes), one_per_layer),
-                "one cos, sin, cache pair, attention metadata and set of named weights per layer");
+                "one cos, sin, cache pair, attention metadata, set of named weights and scores "
+                "per layer");
   }
 };
 
@@ -199,9 +202,11 @@ LayerInputs layer_inputs(const LayerLists& lists, size_t l, int64_t T, int64_t H
               "cos/sin must be [T, head_dim]");
   NamedWeights named(lists.weight_names, lists.weights, lists.formats,
                      l * lists.weight_names.size());
+  const CacheView view = view_of(k_cache, v_cache, lists.block_tables[l], lists.windows[l]);
+  const ScoreSink sink = sink_of(lists.scores.get(l), lists.score_from.get(l), view.k,
+                                 lists.seq_lens[l].numel(), lists.windows[l]);
   return {layer_weights(std::move(named), H, D, k_cache.size(2)), c.data_ptr<float>(), s.data_ptr<float>(),
-          view_of(k_cache, v_cache, lists.block_tables[l], lists.windows[l]),
-          attention_meta(lists, l, T, slots)};
+          view, attention_meta(lists, l, T, slots), sink};
 }
 
 }  // namespace

@@ -70,6 +70,26 @@ inline CacheView view_of(const at::Tensor& k_cache, const at::Tensor& v_cache,
           block_tables.size(1), window};
 }
 
+// The importance scores beside a cache of rows k: float32 [blocks, bs, heads], contiguous,
+// and score_from int32 [B]; none without scores (kernels.reference).
+inline ScoreSink sink_of(const std::optional<at::Tensor>& scores,
+                         const std::optional<at::Tensor>& score_from, const CacheRows& k,
+                         int64_t B, int64_t window) {
+  if (!scores.has_value() || !scores->defined()) return {};
+  const at::Tensor& s = *scores;
+  TORCH_CHECK(score_from.has_value() && score_from->defined(), "scores need score_from");
+  const at::Tensor& from = *score_from;
+  check_f32(s, "scores");
+  TORCH_CHECK(s.is_contiguous() && s.dim() == 3 && s.size(0) == k.blocks && s.size(1) == k.bs &&
+                  s.size(2) == k.heads,
+              "scores must be contiguous [blocks, block size, KV heads] beside the cache");
+  TORCH_CHECK(from.scalar_type() == at::kInt && from.is_contiguous() && from.numel() == B &&
+                  from.device().is_cpu(),
+              "score_from must be contiguous int32, one per sequence");
+  TORCH_CHECK(window == 0, "importance scores are kept for full attention only");
+  return {s.data_ptr<float>(), from.data_ptr<int32_t>()};
+}
+
 // Adds to m the part `name` of GGML type `type`: float32 [rows, K] when dense (type 0), else
 // uint8 [rows, row bytes] holding whole blocks of that format; its bias float32 [rows] or
 // undefined. The first part sets m.K, the others must have as many inputs.
