@@ -402,25 +402,24 @@ class TritonBackend(AttentionBackend):
         self._launch(self._attention.write_cache_launches(cache, rows, slots))
 
     def prefill(self, q, k, v, kv_cache, meta, scale, scores=None):
-        if scores is not None:
-            return _reference_prefill(q, k, v, kv_cache, meta, scale, scores=scores)
         # A quantized cache holds rotated rows: the query is rotated to meet them, the output
-        # back (torch matmuls around the launches, as in decode).
+        # back (torch matmuls around the launches, as in decode). The scores need no turning
+        # back: a rotation keeps every q.k.
         attention, (k_cache, v_cache) = self._attention, kv_cache
         out, launches = attention.prefill_launches(
             attention.rotated_query(q, k_cache), k, v, k_cache, v_cache, meta.block_tables,
-            meta.cu_seqlens_q, meta.prefix_lens, scale, meta.window,
+            meta.cu_seqlens_q, meta.prefix_lens, scale, meta.window, scores=scores,
+            score_from=meta.score_from,
         )  # fmt: skip
         self._launch(launches)
         return attention.rotated_output(out, v_cache, q.dtype)
 
     def decode(self, q, kv_cache, meta, scale, scores=None):
-        if scores is not None:
-            return _reference_decode(q, kv_cache, meta, scale, scores)
         attention, (k_cache, v_cache) = self._attention, kv_cache
         out, launches = attention.decode_launches(
             attention.rotated_query(q, k_cache), k_cache, v_cache, meta.block_tables,
-            meta.seq_lens, scale, meta.window, sms=self._sms,
+            meta.seq_lens, scale, meta.window, sms=self._sms, scores=scores,
+            score_from=meta.score_from,
         )  # fmt: skip
         self._launch(launches)
         return attention.rotated_output(out, v_cache, q.dtype)

@@ -18,6 +18,16 @@ Design:
     tile ahead of the copies.
   - Sliding window: only positions in ``[p - window + 1, p]`` are visited, so the cost per token
     is bounded by the window whatever the context length.
+  - Importance scores (``reference``: ``scores``, ``score_from``): a key's probability needs its
+    row's final softmax max and sum, known in decode only once its splits are merged. The
+    attention kernels store each row's log-sum-exp (decode: each split's), and a scoring kernel
+    runs after each on its grid (``_decode_scores_kernel``, ``_prefill_scores_kernel``): it
+    reads the keys again (keys only, once per head tile) and turns their logits into the
+    probabilities it adds. Keeping the logits instead would take a float per query head and
+    context position (gigabytes at long contexts, and stores in the decode loop); recomputing
+    costs one more read of K, in scored steps only, and leaves the attention loops and their
+    registers as they were (a scoring pass inside the prefill kernel spills on MLA's tile).
+    Programs overlap on keys (query and head tiles, shared prefix blocks): the adds are atomic.
 
 Cache formats (``kernels.kv_quant``; the cache dtype names one, ``KV`` in the kernels):
   - A quantized cache is passed to the kernels as bytes (a uint8 view), whatever its dtype: the
@@ -459,6 +469,90 @@ def _load_query(
     return q1, q2
 
 
+@triton.jit
+def _add_scores(
+    q1,
+    q2,
+    q_idx,
+    lse,
+    counted,
+    k_ptr,
+    table_ptr,
+    scores_ptr,
+    lo,
+    hi,
+    first_pos,
+    qk_scale,
+    stride_kn,
+    stride_kb,
+    stride_kd,
+    stride_sn,
+    stride_sb,
+    PAGED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BS: tl.constexpr,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D1: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    KV: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    """Add to the importance scores of keys [lo, hi) the probability each ``counted`` query
+    row gives them, summed over the rows: exp2(logit - lse), ``lse`` the row's final
+    log2-sum-exp2 (in ``_attend``'s base-2 units).
+
+    Key i sits at position first_pos + i, and its score at that position's slot (through the
+    table, never a ring: sliding-window groups keep no scores). PAGED: its row is read from
+    the cache there; otherwise it is row i of contiguous k (a prefill chunk's own keys).
+    CAUSAL: row r sees keys i <= q_idx[r]. The logits are ``_attend``'s, written out here too
+    (see there why). Other programs add to the same keys (the other query and head tiles of a
+    sequence, sequences that share a prefix block), so the adds are atomic."""
+    d1 = tl.arange(0, BLOCK_D1)
+    d2 = D1 + tl.arange(0, BLOCK_D2)
+    for start in range(lo, hi, BLOCK_N):
+        idx = start + tl.arange(0, BLOCK_N)
+        valid = idx < hi
+        pos = first_pos + idx
+        block = tl.load(table_ptr + pos // BS, mask=valid, other=0).to(tl.int64)
+        if PAGED:
+            k_off = block * stride_kn + (pos % BS) * stride_kb
+        else:
+            k_off = idx.to(tl.int64) * stride_kn
+        if KV == _FLOAT:
+            k_mask = valid[:, None] & (d1 < D1)[None, :]
+            k1 = tl.load(k_ptr + k_off[:, None] + d1[None, :] * stride_kd, mask=k_mask, other=0.0)
+            if UPCAST:
+                k1 = k1.to(tl.float32)
+            s = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
+            if D2 > 0:
+                k_mask = valid[:, None] & (d2 < D1 + D2)[None, :]
+                k2 = tl.load(
+                    k_ptr + k_off[:, None] + d2[None, :] * stride_kd, mask=k_mask, other=0.0
+                )
+                if UPCAST:
+                    k2 = k2.to(tl.float32)
+                s += tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
+        else:
+            k_off = tl.multiple_of(k_off, ALIGN)
+            k1 = _load_values(k_ptr, k_off, valid, q1.dtype, 0, D1, BLOCK_D1, BLOCK_N, KV)
+            s = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
+            if D2 > 0:
+                k2 = _load_values(k_ptr, k_off, valid, q1.dtype, D1, D2, BLOCK_D2, BLOCK_N, KV)
+                s += tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
+            if KV != _INT4:
+                s = s * _row_scale(k_ptr, k_off, valid, KV)[None, :]
+        seen = valid[None, :] & counted[:, None]
+        if CAUSAL:
+            seen = seen & (idx[None, :] <= q_idx[:, None])
+        p = tl.where(seen, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+        slot = scores_ptr + block * stride_sn + (pos % BS) * stride_sb
+        tl.atomic_add(slot, tl.sum(p, 0), mask=valid, sem="relaxed")
+
+
 @triton.jit(do_not_specialize=["ring_len", "num_splits", "stride_tb"])
 def _decode_kernel(
     q_ptr,
@@ -560,13 +654,14 @@ def _decode_kernel(
     col = _stored_column(flat % BLOCK_DV, KV == _INT4)
     store_mask = (row < GROUP) & (col < DV)
     out = tl.reshape(out, [BLOCK_G * BLOCK_DV])
+    # The log-sum-exp is stored even for one split, for ``_decode_scores_kernel``.
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+    first = seq.to(tl.int64) * num_heads * num_splits
+    tl.store(part_lse_ptr + first + head * num_splits + split, lse, mask=head_ok)
     if num_splits == 1:
         o_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + (kv_head * GROUP + row) * stride_oh
         tl.store(o_ptrs + col * stride_od, out.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
-        first = seq.to(tl.int64) * num_heads * num_splits
-        tl.store(part_lse_ptr + first + head * num_splits + split, lse, mask=head_ok)
         part = (kv_head * GROUP + row) * num_splits + split
         tl.store(part_out_ptr + first * DV + part * DV + col, out, mask=store_mask)
 
@@ -611,6 +706,115 @@ def _merge_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
 
 
+@triton.jit(do_not_specialize=["num_splits", "stride_tb"])
+def _decode_scores_kernel(
+    q_ptr,
+    k_ptr,
+    table_ptr,
+    seq_lens_ptr,
+    score_from_ptr,
+    part_lse_ptr,
+    scores_ptr,
+    qk_scale,
+    num_heads,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_kn,
+    stride_kb,
+    stride_kh,
+    stride_kd,
+    stride_tb,
+    stride_sn,
+    stride_sb,
+    stride_sh,
+    GROUP: tl.constexpr,
+    HEAD_TILES: tl.constexpr,
+    BS: tl.constexpr,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D1: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    KV: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    # The decode kernel's grid and split of the context, run after it: each head's softmax
+    # normalizer is final only once every split is done, so the keys are read again here and
+    # their logits, less the head's log-sum-exp over all splits, are the probabilities.
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1) // HEAD_TILES
+    g = (tl.program_id(1) % HEAD_TILES) * BLOCK_G + tl.arange(0, BLOCK_G)
+    head_ok = g < GROUP
+    head = kv_head * GROUP + g
+    split = tl.program_id(2)
+
+    # The splits' log-sum-exps (``_decode_kernel``) combined, BLOCK_S at a time.
+    first = (seq.to(tl.int64) * num_heads + head) * num_splits
+    m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([BLOCK_G], dtype=tl.float32)
+    for start in range(0, num_splits, BLOCK_S):
+        part = start + tl.arange(0, BLOCK_S)
+        mask = head_ok[:, None] & (part < num_splits)[None, :]
+        lse = tl.load(part_lse_ptr + first[:, None] + part[None, :], mask=mask, other=-float("inf"))
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        total = total * tl.exp2(m - m_shift) + tl.sum(tl.exp2(lse - m_shift[:, None]), 1)
+        m = m_new
+    lse = m + tl.log2(tl.where(total == 0.0, 1.0, total))
+
+    k_head = kv_head * stride_kh
+    if KV == _FLOAT:
+        dot_dtype = k_ptr.dtype.element_ty
+    else:
+        dot_dtype = q_ptr.dtype.element_ty
+        k_head = tl.multiple_of(k_head, ALIGN)
+    q1, q2 = _load_query(
+        q_ptr, seq.to(tl.int64) * stride_qb + head * stride_qh, head_ok, stride_qd, dot_dtype,
+        D1, D2, BLOCK_D1, BLOCK_D2, UPCAST, KV == _INT4,
+    )  # fmt: skip
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    # A query before its sequence's score_from adds nothing: no key is visited.
+    counted = seq_len - 1 >= tl.load(score_from_ptr + seq)
+    hi = tl.where(counted, tl.minimum(lo + per_split, seq_len), lo)
+    _add_scores(
+        q1, q2, g, lse, head_ok, k_ptr + k_head, table_ptr + seq.to(tl.int64) * stride_tb,
+        scores_ptr + kv_head * stride_sh, lo, hi, 0, qk_scale, stride_kn, stride_kb, stride_kd,
+        stride_sn, stride_sb,
+        PAGED=True, CAUSAL=False, BS=BS, D1=D1, D2=D2, BLOCK_N=BLOCK_N, BLOCK_D1=BLOCK_D1,
+        BLOCK_D2=BLOCK_D2, PRECISION=PRECISION, UPCAST=UPCAST, KV=KV, ALIGN=ALIGN,
+    )  # fmt: skip
+
+
+@triton.jit
+def _query_tile(cu_ptr, num_seqs, BLOCK_Q: tl.constexpr, BLOCK_SEQS: tl.constexpr):
+    """The sequence whose query tile this program takes (axis 0), its first row, its row
+    count, and the tile's first row in it.
+
+    Query tiles of all sequences share axis 0 without a host-side max length: sequence i owns
+    tiles from cu[i] // BLOCK_Q + i on, which leaves room for its ceil(n_i / BLOCK_Q) tiles.
+    The owner is the number of sequences starting at or before the tile, less one, counted
+    BLOCK_SEQS at a time (a fixed width: the batch size does not pick a variant)."""
+    tile = tl.program_id(0)
+    seq = tl.full([], -1, tl.int32)
+    for first in range(0, num_seqs, BLOCK_SEQS):
+        seqs = first + tl.arange(0, BLOCK_SEQS)
+        cu = tl.load(cu_ptr + seqs, mask=seqs < num_seqs, other=2**30)
+        seq += tl.sum((cu // BLOCK_Q + seqs <= tile).to(tl.int32), 0)
+    q_start = tl.load(cu_ptr + seq)
+    n = tl.load(cu_ptr + seq + 1) - q_start
+    q0 = (tile - q_start // BLOCK_Q - seq) * BLOCK_Q
+    return seq, q_start, n, q0
+
+
 # Step-dependent scalars (batch size, table width) and the index arrays sliced per step are not
 # specialized on, so that no step compiles a variant of its own.
 @triton.jit(
@@ -627,10 +831,12 @@ def _prefill_kernel(
     cu_ptr,
     prefix_ptr,
     out_ptr,
+    lse_ptr,
     qk_scale,
     window,
     ring_len,
     num_seqs,
+    num_heads,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -673,19 +879,7 @@ def _prefill_kernel(
     KV: tl.constexpr,
     ALIGN: tl.constexpr,
 ):
-    # Query tiles of all sequences share axis 0 without a host-side max length: sequence i owns
-    # tiles from cu[i] // BLOCK_Q + i on, which leaves room for its ceil(n_i / BLOCK_Q) tiles.
-    # The owner is the number of sequences starting at or before the tile, less one, counted
-    # BLOCK_SEQS at a time (a fixed width: the batch size does not pick a variant).
-    tile = tl.program_id(0)
-    seq = tl.full([], -1, tl.int32)
-    for first in range(0, num_seqs, BLOCK_SEQS):
-        seqs = first + tl.arange(0, BLOCK_SEQS)
-        cu = tl.load(cu_ptr + seqs, mask=seqs < num_seqs, other=2**30)
-        seq += tl.sum((cu // BLOCK_Q + seqs <= tile).to(tl.int32), 0)
-    q_start = tl.load(cu_ptr + seq)
-    n = tl.load(cu_ptr + seq + 1) - q_start
-    q0 = (tile - q_start // BLOCK_Q - seq) * BLOCK_Q
+    seq, q_start, n, q0 = _query_tile(cu_ptr, num_seqs, BLOCK_Q, BLOCK_SEQS)
     tile_ok = q0 < n
     prefix = tl.load(prefix_ptr + seq)
 
@@ -764,6 +958,110 @@ def _prefill_kernel(
     mask = (q_idx < n) & (g < GROUP) & (col < DV)
     out = tl.reshape(out, [BLOCK_Q * BLOCK_G * BLOCK_DV])
     tl.store(o_ptrs + col * stride_od, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+    # Each row's log-sum-exp, for ``_prefill_scores_kernel`` (a store per row: kept whatever
+    # the step, so that scoring compiles no second variant of this kernel).
+    rows = tl.arange(0, BLOCK_Q * BLOCK_G)
+    q_idx = q0 + rows // BLOCK_G
+    g = (tl.program_id(1) % HEAD_TILES) * BLOCK_G + rows % BLOCK_G
+    lse = m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i))
+    lse_ptrs = lse_ptr + (q_start + q_idx).to(tl.int64) * num_heads + kv_head * GROUP + g
+    tl.store(lse_ptrs, lse, mask=(q_idx < n) & (g < GROUP))
+
+
+@triton.jit(
+    do_not_specialize=["num_seqs", "stride_tb"],
+    do_not_specialize_on_alignment=["table_ptr", "cu_ptr", "prefix_ptr", "score_from_ptr"],
+)
+def _prefill_scores_kernel(
+    q_ptr,
+    k_ptr,
+    k_cache_ptr,
+    table_ptr,
+    cu_ptr,
+    prefix_ptr,
+    score_from_ptr,
+    lse_ptr,
+    scores_ptr,
+    qk_scale,
+    num_seqs,
+    num_heads,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_kcn,
+    stride_kcb,
+    stride_kch,
+    stride_kcd,
+    stride_tb,
+    stride_sn,
+    stride_sb,
+    stride_sh,
+    GROUP: tl.constexpr,
+    HEAD_TILES: tl.constexpr,
+    BS: tl.constexpr,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_SEQS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D1: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    KV: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    # The prefill kernel's grid, run after it: the rows at or after score_from read the keys
+    # they attended to again (the cached prefix, then the chunk's own keys up to themselves),
+    # their logits made probabilities by the rows' log-sum-exps that the prefill stored.
+    seq, q_start, n, q0 = _query_tile(cu_ptr, num_seqs, BLOCK_Q, BLOCK_SEQS)
+    prefix = tl.load(prefix_ptr + seq)
+    kv_head = tl.program_id(1) // HEAD_TILES
+    rows = tl.arange(0, BLOCK_Q * BLOCK_G)
+    q_idx = q0 + rows // BLOCK_G
+    g = (tl.program_id(1) % HEAD_TILES) * BLOCK_G + rows % BLOCK_G
+    row_ok = (q_idx < n) & (g < GROUP)
+    counted = row_ok & (prefix + q_idx >= tl.load(score_from_ptr + seq))
+    head = kv_head * GROUP + g
+    token = (q_start + q_idx).to(tl.int64)
+    lse = tl.load(lse_ptr + token * num_heads + head, mask=counted, other=0.0)
+
+    k_head = kv_head * stride_kch
+    k_new = q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+    if KV == _FLOAT:
+        dot_dtype = k_ptr.dtype.element_ty
+    else:
+        dot_dtype = q_ptr.dtype.element_ty
+        k_head = tl.multiple_of(k_head, ALIGN)
+        k_new = tl.multiple_of(k_new, ALIGN)
+    q1, q2 = _load_query(
+        q_ptr, token * stride_qt + head * stride_qh, row_ok, stride_qd, dot_dtype, D1, D2,
+        BLOCK_D1, BLOCK_D2, UPCAST, KV == _INT4,
+    )  # fmt: skip
+
+    # A tile none of whose rows counts visits no key.
+    some = tl.max(counted.to(tl.int32), 0) > 0
+    table = table_ptr + seq.to(tl.int64) * stride_tb
+    scores = scores_ptr + kv_head * stride_sh
+    _add_scores(
+        q1, q2, q_idx, lse, counted, k_cache_ptr + k_head, table, scores,
+        0, tl.where(some, prefix, 0), 0, qk_scale, stride_kcn, stride_kcb, stride_kcd, stride_sn,
+        stride_sb,
+        PAGED=True, CAUSAL=False, BS=BS, D1=D1, D2=D2, BLOCK_N=BLOCK_N, BLOCK_D1=BLOCK_D1,
+        BLOCK_D2=BLOCK_D2, PRECISION=PRECISION, UPCAST=UPCAST, KV=KV, ALIGN=ALIGN,
+    )  # fmt: skip
+    _add_scores(
+        q1, q2, q_idx, lse, counted, k_ptr + k_new, table, scores,
+        0, tl.where(some, tl.minimum(n, q0 + BLOCK_Q), 0), prefix, qk_scale, stride_kt, 0,
+        stride_kd, stride_sn, stride_sb,
+        PAGED=False, CAUSAL=True, BS=BS, D1=D1, D2=D2, BLOCK_N=BLOCK_N, BLOCK_D1=BLOCK_D1,
+        BLOCK_D2=BLOCK_D2, PRECISION=PRECISION, UPCAST=UPCAST, KV=KV, ALIGN=ALIGN,
+    )  # fmt: skip
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -953,6 +1251,8 @@ MAX_SPLITS = 128
 MIN_SPLIT_TOKENS = 128
 # Partial outputs a merge program holds at once (32 values per thread on its 4 warps).
 MERGE_VALUES = 4096
+# Splits' log-sum-exps a decode scoring program combines at once.
+SCORE_SPLITS = 16
 # Sequences a prefill program scans per pass when it looks up which sequence its tile is of.
 SEQS_PER_PASS = 64
 
@@ -1094,10 +1394,13 @@ def decode_launches(
     num_splits: int | None = None,
     tile: Tile | None = None,
     sms: int | None = None,
+    scores: torch.Tensor | None = None,
+    score_from: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
-    """The output of ``decode_attention`` (not yet written) and the launches that fill it.
-    Over a rotated format (``kv_quant.rotated``), q is rotated (``rotated_query``) and the
-    output is too, in float32 (``rotated_output``)."""
+    """The output of ``decode_attention`` (not yet written) and the launches that fill it,
+    and with ``scores`` the one that adds to them (``_decode_scores_launch``). Over a rotated
+    format (``kv_quant.rotated``), q is rotated (``rotated_query``) and the output is too, in
+    float32 (``rotated_output``)."""
     batch, num_heads, dk = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     dv = kv_quant.value_dim(v_cache)
@@ -1108,10 +1411,12 @@ def decode_launches(
     plan = launch_plan(q, k_cache, v_cache, block_tables, window, num_splits, tile, sms)
     num_splits, tile = plan.num_splits, plan.tile
     # Partial results are fp32 even when unused (one split), so the pointer types, and with
-    # them the compiled variant, do not depend on the split count.
-    parts = batch * num_heads * num_splits if num_splits > 1 else 0
+    # them the compiled variant, do not depend on the split count. The log-sum-exps are
+    # always written.
+    lse_parts = batch * num_heads * num_splits
+    parts = lse_parts if num_splits > 1 else 0
     part_out = torch.empty(parts, dv, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(parts, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(lse_parts, dtype=torch.float32, device=q.device)
     dims = _dims(dk, dv)
     grid = (batch, num_kv_heads * plan.head_tiles, num_splits)
     k_view, v_view = _kernel_view(k_cache), _kernel_view(v_cache)
@@ -1133,7 +1438,39 @@ def decode_launches(
         block_s = max(1, MERGE_VALUES // dims["BLOCK_DV"])
         params = dict(DV=dv, MAX_S=MAX_SPLITS, BLOCK_S=block_s, BLOCK_DV=dims["BLOCK_DV"])
         launches.append(Launch(_merge_kernel, (batch, num_heads), args, params))
+    if scores is not None:
+        assert window == 0, "a sliding-window group keeps no scores"
+        launches.append(_decode_scores_launch(
+            q, k_cache, block_tables, seq_lens, scale, plan, part_lse, scores, score_from
+        ))  # fmt: skip
     return out, launches
+
+
+def _decode_scores_launch(
+    q, k_cache, block_tables, seq_lens, scale, plan: LaunchPlan, part_lse, scores, score_from
+) -> Launch:
+    """``_decode_scores_kernel`` on the decode's grid and splits, reading the log-sum-exps
+    the decode kernel stores in ``part_lse``: each counted query adds its attention to
+    ``scores`` [N, bs, Hkv] (``reference.decode_attention``)."""
+    batch, num_heads, dk = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert scores.shape == (k_cache.shape[0], block_size, num_kv_heads), scores.shape
+    d1, d2 = _split_head_dim(dk)
+    k_view = _kernel_view(k_cache)
+    args = (
+        q, k_view, block_tables, seq_lens, score_from, part_lse, scores, scale * _LOG2E,
+        num_heads, plan.num_splits, *q.stride(), *k_view.stride(), block_tables.stride(0),
+        *scores.stride(),
+    )  # fmt: skip
+    params = dict(
+        GROUP=num_heads // num_kv_heads, HEAD_TILES=plan.head_tiles, BS=block_size, D1=d1,
+        D2=d2, BLOCK_G=plan.tile.rows, BLOCK_N=plan.tile.block_n, BLOCK_D1=_pow2(d1),
+        BLOCK_D2=_pow2(d2), BLOCK_S=SCORE_SPLITS, **_precision(_dot_dtype(q, k_cache)),
+        **_format_params(k_cache), num_warps=plan.tile.num_warps,
+        num_stages=plan.tile.num_stages,
+    )  # fmt: skip
+    grid = (batch, num_kv_heads * plan.head_tiles, plan.num_splits)
+    return Launch(_decode_scores_kernel, grid, args, params)
 
 
 def decode_attention(
@@ -1147,15 +1484,18 @@ def decode_attention(
     *,
     num_splits: int | None = None,
     tile: Tile | None = None,
+    scores: torch.Tensor | None = None,
+    score_from: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (already written to the cache) -> [B, Hq, Dv].
 
     Grid: (B, KV heads x head tiles, splits); see ``launch_plan``. ``num_splits`` and ``tile``
     override the defaults (tests force split-K on and off; the benchmark sweeps tiles).
+    ``scores`` and ``score_from`` as in ``reference.decode_attention`` (no window).
     """
     out, launches = decode_launches(
         rotated_query(q, k_cache), k_cache, v_cache, block_tables, seq_lens, scale, window,
-        num_splits=num_splits, tile=tile,
+        num_splits=num_splits, tile=tile, scores=scores, score_from=score_from,
     )  # fmt: skip
     run(launches)
     return rotated_output(out, v_cache, q.dtype)
@@ -1174,11 +1514,13 @@ def prefill_launches(
     window: int = 0,
     *,
     tile: Tile | None = None,
+    scores: torch.Tensor | None = None,
+    score_from: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output of ``prefill_attention`` (not yet written) and the launches that fill it:
     those that quantize the chunk's keys and values as the cache would (``read_back_launches``),
-    then the attention. Over a rotated format, q is rotated and the output is too, as in
-    ``decode_launches``."""
+    then the attention, and with ``scores`` the launch that adds to them. Over a rotated
+    format, q is rotated and the output is too, as in ``decode_launches``."""
     block_tables = _rows_contiguous(block_tables)
     num_tokens, num_heads, dk = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -1197,9 +1539,10 @@ def prefill_launches(
     head_tiles = triton.cdiv(group, block_g)
     grid = (num_tokens // block_q + batch, num_kv_heads * head_tiles)
     views = [_kernel_view(t) for t in (k, v, k_cache, v_cache)]
+    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
     args = (
-        q, *views, block_tables, cu_seqlens_q, prefix_lens, out,
-        scale * _LOG2E, window, block_tables.shape[1], batch,
+        q, *views, block_tables, cu_seqlens_q, prefix_lens, out, lse,
+        scale * _LOG2E, window, block_tables.shape[1], batch, num_heads,
         *q.stride(), *(stride for t in views for stride in t.stride()),
         block_tables.stride(0), *out.stride(),
     )  # fmt: skip
@@ -1211,7 +1554,23 @@ def prefill_launches(
         **dims, **_precision(dtype), **_format_params(k_cache, v_cache, k, v),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
-    return out, [*launches, Launch(_prefill_kernel, grid, args, params)]
+    launches.append(Launch(_prefill_kernel, grid, args, params))
+    if scores is not None:
+        # The same grid and tile, over the keys only, at most 32 a step (64 of int4, unpacked
+        # beside 64 rows of queries, spill on sm_80).
+        assert window == 0, "a sliding-window group keeps no scores"
+        assert scores.shape == (k_cache.shape[0], block_size, num_kv_heads), scores.shape
+        k_new, k_cached = views[0], views[2]
+        args = (
+            q, k_new, k_cached, block_tables, cu_seqlens_q, prefix_lens, score_from, lse, scores,
+            scale * _LOG2E, batch, num_heads, *q.stride(), *k_new.stride(), *k_cached.stride(),
+            block_tables.stride(0), *scores.stride(),
+        )  # fmt: skip
+        values = ("WINDOWED", "SHARED_V", "SHARED_V_NEW", "DV", "BLOCK_DV")
+        params = {name: p for name, p in params.items() if name not in values}
+        params["BLOCK_N"] = min(tile.block_n, 32)
+        launches.append(Launch(_prefill_scores_kernel, grid, args, params))
+    return out, launches
 
 
 def prefill_attention(
@@ -1227,16 +1586,19 @@ def prefill_attention(
     window: int = 0,
     *,
     tile: Tile | None = None,
+    scores: torch.Tensor | None = None,
+    score_from: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Chunks of new tokens attending causally to themselves and to their cached prefix.
 
     Grid: (query tiles of all sequences, KV heads x head tiles). A program takes BLOCK_Q tokens
     times BLOCK_G query heads of one KV head as its rows, walks the cached prefix through the
-    block table, then the chunk's own keys up to its last row.
+    block table, then the chunk's own keys up to its last row (and, with ``scores``, walks
+    them again: ``reference.prefill_attention``'s scores, no window).
     """
     out, launches = prefill_launches(
         rotated_query(q, k_cache), k, v, k_cache, v_cache, block_tables, cu_seqlens_q,
-        prefix_lens, scale, window, tile=tile,
+        prefix_lens, scale, window, tile=tile, scores=scores, score_from=score_from,
     )  # fmt: skip
     run(launches)
     return rotated_output(out, v_cache, q.dtype)

@@ -17,6 +17,10 @@ model (``QUANT_MODELS``: each matrix's parts and formats as its GGUF file stores
 own, which are then called on meta tensors of every step size; in their rows, ``group`` names
 the matrix part a launch reads and its format (``down:q6_k``), not a KV-cache group.
 
+Every step of a full-attention group is recorded twice: as it is, and keeping importance scores
+(``AttentionMetadata.score_from``, a scores tensor beside the cache, as ``--kv-scores`` serves;
+sliding-window groups keep none), which adds the decode and prefill scoring kernels.
+
 A cache holds its model's dtype (``DTYPES``), or one of the quantized KV dtypes (``KV_DTYPES``:
 int8, fp8_e4m3, int4, laid out as ``kernels.kv_quant`` says) under a bf16 model; those steps
 are recorded for a model of each layout (``KV_MODELS``). A row's ``kv`` names its cache dtype.
@@ -160,7 +164,7 @@ def steps(max_len: int) -> Iterator[Step]:
             yield Step((min(context, max_len),) * decodes, ((prefix, new),) * prefills)
 
 
-def _metadata(step: Step, width: int, window: int):
+def _metadata(step: Step, width: int, window: int, scored: bool = False):
     from kernels.backend import AttentionMetadata
 
     batch = len(step.seq_lens)
@@ -173,6 +177,7 @@ def _metadata(step: Step, width: int, window: int):
         cu_seqlens_q=torch.empty(batch + 1, **meta),
         num_decodes=len(step.decodes),
         window=window,
+        score_from=torch.empty(batch, **meta) if scored else None,
     )
 
 
@@ -233,8 +238,12 @@ def record_launches(
             # As the model runner builds tables: as wide as the longest sequence needs.
             width = spec.table_width(max(step.seq_lens), BLOCK_SIZE)
             caches, (q, k, v) = _layer_tensors(spec, cfg.num_heads, step.num_tokens, dtype)
-            meta = _metadata(step, width, spec.window)
-            ForwardContext.planned(backend, [meta], [caches], (0,)).attention(0, q, k, v, 0.1)
+            for scored in (False, True) if spec.window == 0 else (False,):
+                meta = _metadata(step, width, spec.window, scored)
+                planes = torch.empty(caches[0].shape[:3], dtype=torch.float32, device="meta")
+                scores = planes if scored else None
+                ctx = ForwardContext.planned(backend, [meta], [caches], (0,), [scores])
+                ctx.attention(0, q, k, v, 0.1)
         for blocks in (1, 3, 17):  # a context shift re-rotates whole blocks
             ids = torch.empty(blocks, dtype=torch.int64, device="meta")
             backend.rotate_keys(caches[0], ids, -37, _rope_layout(spec))

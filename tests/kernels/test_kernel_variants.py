@@ -30,7 +30,7 @@ Bounds:
     compiled, so a server compiles at most 5 kernels x cache groups per dtype, all of them in
     its first steps; over a quantized cache the write kernel has two (the cache's slots, and a
     prefill chunk's own rows quantized to be read back) and no rotary kernel (keys move in
-    torch).
+    torch). A group that keeps importance scores adds the two scoring kernels.
     A quantized matrix part compiles one variant per kernel and tile: GEMV, the matmul's
     decode-batch and prefill tiles (``triton_quant.matmul_tile``), the row dequantizer.
 """
@@ -49,9 +49,11 @@ import pytest
 from tests.kernels import kernel_variants
 
 ROOT = Path(__file__).resolve().parents[2]
+SCORE_KERNELS = {"_decode_scores_kernel", "_prefill_scores_kernel"}
 KERNELS = {"_decode_kernel", "_merge_kernel", "_prefill_kernel", "_write_cache_kernel",
-           "_rotate_kernel"}  # fmt: skip
-KV_KERNELS = {"_decode_kernel", "_merge_kernel", "_prefill_kernel", "_write_quantized_kernel"}
+           "_rotate_kernel", *SCORE_KERNELS}  # fmt: skip
+KV_KERNELS = {"_decode_kernel", "_merge_kernel", "_prefill_kernel", "_write_quantized_kernel",
+              *SCORE_KERNELS}  # fmt: skip
 QUANT_KERNELS = {"_quant_gemv_kernel", "_quant_matmul_kernel", "_dequantize_rows_kernel"}
 # Variants a part or cache group may compile per kernel (else 1).
 TILES = {"_quant_matmul_kernel": 2, "_write_quantized_kernel": 2}
