@@ -244,9 +244,9 @@ def meta(argv: list[str], dataset_path: str, gguf: Path, note: str | None) -> di
 
 
 def _write(path: Path, head: dict[str, Any], rows=(), throughput=()) -> None:
-    """Merges new rows (by press, ratio and prompt) and throughput runs (by press and ratio) into
-    the file, with the summary recomputed from all its rows, and writes at once, so a run cut
-    short keeps what it measured and a later run can add prompts."""
+    """Merges new rows (by press, ratio and prompt) and throughput runs (by press, ratio and
+    threads) into the file, with the summary recomputed from all its rows, and writes at once,
+    so a run cut short keeps what it measured and a later run can add prompts."""
     data = json.loads(path.read_text()) if path.exists() else {}
     run = {k: head[k] for k in ("command", "note", "date")}
     runs = [r for r in data.get("meta", {}).get("runs", []) if r != run] + [run]
@@ -258,8 +258,10 @@ def _write(path: Path, head: dict[str, Any], rows=(), throughput=()) -> None:
     for row in data["rows"]:
         groups.setdefault((row["press"], row["ratio"]), []).append(row)
     data["summary"] = [summarize(group) for group in groups.values()]
-    new = {(t["press"], t["ratio"]) for t in throughput}
-    old = [t for t in data.get("throughput", []) if (t["press"], t["ratio"]) not in new]
+    new = {(t["press"], t["ratio"], t["threads"]) for t in throughput}
+    old = [
+        t for t in data.get("throughput", []) if (t["press"], t["ratio"], t["threads"]) not in new
+    ]
     data["throughput"] = old + list(throughput)
     path.write_text(json.dumps(data, indent=1) + "\n")
 
@@ -279,14 +281,16 @@ def markdown(data: dict[str, Any]) -> str:
     if data.get("throughput"):
         lines += [
             "",
-            "| press | KV kept | prompts x new tokens | output tok/s | wall s | decode tok/s |",
-            "|---|---|---|---|---|---|",
+            "| press | KV kept | threads | prompts x new tokens | output tok/s | wall s | "
+            "decode tok/s |",
+            "|---|---|---|---|---|---|---|",
         ]
         for t in data["throughput"]:
             new = t["output_tokens"] // t["prompts"]
             lines.append(
-                f"| {t['press']} | {1 - t['ratio']:.0%} | {t['prompts']} x {new} | "
-                f"{t['output_tok_s']:.2f} | {t['wall_s']:.0f} | {t['decode_tok_s']:.2f} |"
+                f"| {t['press']} | {1 - t['ratio']:.0%} | {t['threads']} | "
+                f"{t['prompts']} x {new} | {t['output_tok_s']:.2f} | {t['wall_s']:.0f} | "
+                f"{t['decode_tok_s']:.2f} |"
             )
     return "\n".join(lines)
 
