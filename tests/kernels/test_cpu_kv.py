@@ -259,16 +259,15 @@ FUSED_ATOL = {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    """(config, plain model, model fitted to the kernels) of a MODELS name, loaded once."""
+def model_loader(tmp_path_factory, models: dict):
+    """Loads (config, plain model, model fitted to the kernels) of a ``models`` name, once."""
     from models.config import ModelConfig
     from models.loader import load_model
     from tests.helpers import save_tiny_gemma3, save_tiny_llama
 
     @functools.cache
     def load(name: str):
-        kind, overrides = MODELS[name]
+        kind, overrides = models[name]
         path = tmp_path_factory.mktemp(name)
         (save_tiny_llama if kind == "llama" else save_tiny_gemma3)(path, **overrides)
         cfg = ModelConfig.from_dir(path)
@@ -278,6 +277,11 @@ def tiny_model(tmp_path_factory):
         return cfg, plain, fast
 
     return load
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return model_loader(tmp_path_factory, MODELS)
 
 
 def step_inputs(cfg, model, seqs, dtype, bs=16):

@@ -12,7 +12,6 @@ sharing a block (a cached prefix) both add to its scores.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ import torch
 from kernels import cpu, reference
 from kernels.backend import get_backend
 from kernels.kv_quant import KV_DTYPES
-from tests.kernels.test_cpu_kv import FUSED_ATOL, paged, step_inputs
+from tests.kernels.test_cpu_kv import FUSED_ATOL, model_loader, paged, step_inputs
 
 why = cpu.load()
 pytestmark = pytest.mark.skipif(why is not None, reason=f"kernels.cpu unavailable: {why}")
@@ -167,23 +166,7 @@ MODELS = {  # a tiny checkpoint's kind and config overrides
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    """(config, plain model, model fitted to the kernels) of a MODELS name, loaded once."""
-    from models.config import ModelConfig
-    from models.loader import load_model
-    from tests.helpers import save_tiny_gemma3, save_tiny_llama
-
-    @functools.cache
-    def load(name: str):
-        kind, overrides = MODELS[name]
-        path = tmp_path_factory.mktemp(name)
-        (save_tiny_llama if kind == "llama" else save_tiny_gemma3)(path, **overrides)
-        cfg = ModelConfig.from_dir(path)
-        plain = load_model(cfg, torch.float32, torch.device("cpu"))
-        fast = load_model(cfg, torch.float32, torch.device("cpu"))
-        assert get_backend("cpu", torch.device("cpu")).prepare(fast) > 0
-        return cfg, plain, fast
-
-    return load
+    return model_loader(tmp_path_factory, MODELS)
 
 
 SCORED_STEPS = [  # model, (cached tokens, new tokens) per sequence, score_from (None: no row)

@@ -274,6 +274,17 @@ def test_write_cache_rounds_ties_and_subnormals_as_torch(dtype):
     _assert_same_bytes(actual, expected)
 
 
+def step_qkv(layout: Layout, tokens: int, gen: torch.Generator, model: torch.dtype):
+    """A step's random q, k, v for ``tokens`` new tokens (MLA: v is k's latent part)."""
+    heads = layout.num_kv_heads * layout.group
+    q = torch.randn(tokens, heads, layout.dk, generator=gen).to(DEVICE, model)
+    k = torch.randn(tokens, layout.num_kv_heads, layout.dk, generator=gen).to(DEVICE, model)
+    v = k[..., : layout.dv]
+    if not layout.mla:
+        v = torch.randn(v.shape, generator=gen).to(DEVICE, model)
+    return q, k, v
+
+
 def _step_metadata(caches: Caches, chunks: list[tuple[int, int]], num_decodes: int, window: int):
     """A step's metadata: sequence i has ``chunks[i] = (prefix, new)`` (decodes first, one new
     token each), its new tokens' slots through its table."""
@@ -315,15 +326,10 @@ def test_backend_steps_write_then_read_as_the_torch_backend(dtype, layout):
     k_copy = caches.k_cache.clone()
     theirs = (k_copy, k_copy[..., : ours[1].shape[-1]] if layout.mla else ours[1].clone())
     gen = torch.Generator().manual_seed(6)
-    heads = layout.num_kv_heads * layout.group
     for chunks, num_decodes in ((first, 2), ([(p + n, 1) for p, n in first], 4)):
         meta = _step_metadata(caches, chunks, num_decodes, window)
         tokens = sum(n for _, n in chunks)
-        q = torch.randn(tokens, heads, layout.dk, generator=gen).to(DEVICE, model)
-        k = torch.randn(tokens, layout.num_kv_heads, layout.dk, generator=gen).to(DEVICE, model)
-        v = k[..., : layout.dv]
-        if not layout.mla:
-            v = torch.randn(v.shape, generator=gen).to(DEVICE, model)
+        q, k, v = step_qkv(layout, tokens, gen, model)
         outs = []
         for backend, kv in ((TritonBackend(), ours), (TorchBackend(), theirs)):
             ctx = ForwardContext.planned(backend, [meta], [kv], (0,))

@@ -31,6 +31,7 @@ from tests.kernels.test_triton_kv import (
     _model_dtype,
     _step_metadata,
     _tolerance,
+    step_qkv,
 )
 
 triton_attention = pytest.importorskip("kernels.triton_attention")
@@ -179,17 +180,12 @@ def test_backend_steps_add_the_torch_backends_scores(dtype, layout):
     theirs = (k_copy, k_copy[..., : ours[1].shape[-1]] if layout.mla else ours[1].clone())
     our_scores, their_scores = _scores(caches), _scores(caches)
     gen = torch.Generator().manual_seed(6)
-    heads = layout.num_kv_heads * layout.group
     steps = ((first, 2, [0, NEVER, 14, 44]), ([(p + n, 1) for p, n in first], 4, [0, 5, NEVER, 0]))
     for chunks, num_decodes, froms in steps:
         meta = _step_metadata(caches, chunks, num_decodes, layout.window)
         meta = replace(meta, score_from=_int32(froms))
         tokens = sum(n for _, n in chunks)
-        q = torch.randn(tokens, heads, layout.dk, generator=gen).to(DEVICE, model)
-        k = torch.randn(tokens, layout.num_kv_heads, layout.dk, generator=gen).to(DEVICE, model)
-        v = k[..., : layout.dv]
-        if not layout.mla:
-            v = torch.randn(v.shape, generator=gen).to(DEVICE, model)
+        q, k, v = step_qkv(layout, tokens, gen, model)
         outs = []
         for backend, kv, scores in ((TritonBackend(run), ours, our_scores),
                                     (TorchBackend(), theirs, their_scores)):  # fmt: skip
