@@ -212,7 +212,7 @@ class LLMEngine:
         choice, default = params.overflow or self.default_overflow, self.default_overflow
         if choice.kv_budget is None and choice.policy in IMPORTANCE_POLICIES:
             choice = replace(choice, kv_budget=default.kv_budget)
-        return context_policy(choice, self.cache_config.block_size)
+        return context_policy(choice)
 
     def admit(self, prompt_token_ids: list[int], params: SamplingParams) -> Admitted:
         """Decides once, before any work, whether the engine takes the request: raises

@@ -176,7 +176,9 @@ class ContextPolicy:
         """A running sequence has filled the context: finish it, or drop tokens and go on."""
         return Finish()
 
-    def over_budget(self, cached: int, decoding: bool, prompt_done: bool) -> Evict | None:
+    def over_budget(
+        self, cached: int, decoding: bool, prompt_done: bool, block_size: int
+    ) -> Evict | None:
         """After a step: whether a sequence holding ``cached`` tokens must evict some
         (``decoding``: its prompt was computed before this step; ``prompt_done``: it is now).
         Only importance policies do."""
@@ -313,7 +315,7 @@ class ImportancePolicy(ContextPolicy):
     """Evict the least important cached tokens, keeping ``sinks`` first ones and ``window``
     recent ones: when the context fills, down to ``limit - n_discard`` (default: half of it),
     and with a ``budget`` down to it, at the end of the prompt and whenever decoding has added
-    ``slack`` tokens more (so that compaction runs once a block, not once a token). The sequence
+    a block more (so that compaction runs once a block, not once a token). The sequence
     stops with "length" once it would evict more than ``max_dropped`` tokens in all."""
 
     name: str = "snapkv"
@@ -322,7 +324,6 @@ class ImportancePolicy(ContextPolicy):
     budget: int = 0
     n_discard: int | None = None
     per_head: bool = True
-    slack: int = 16
 
     def admit(self, s: ContextState) -> Fits | Reject:
         too_long = _prompt_too_long(s)
@@ -351,10 +352,12 @@ class ImportancePolicy(ContextPolicy):
             return Finish()
         return Evict(keep)
 
-    def over_budget(self, cached: int, decoding: bool, prompt_done: bool) -> Evict | None:
+    def over_budget(
+        self, cached: int, decoding: bool, prompt_done: bool, block_size: int
+    ) -> Evict | None:
         if not self.budget or not prompt_done or cached <= self.budget:
             return None
-        if decoding and cached < self.budget + self.slack:
+        if decoding and cached < self.budget + block_size:
             return None
         return Evict(self.budget)
 
@@ -366,7 +369,7 @@ class ImportancePolicy(ContextPolicy):
         return 0 if self.name == "h2o" else None
 
 
-def context_policy(choice: ContextOverflow, block_size: int = 16) -> ContextPolicy:
+def context_policy(choice: ContextOverflow) -> ContextPolicy:
     keep = DEFAULT_KEEP if choice.n_keep is None else choice.n_keep
     if choice.policy in IMPORTANCE_POLICIES:
         return ImportancePolicy(
@@ -376,7 +379,6 @@ def context_policy(choice: ContextOverflow, block_size: int = 16) -> ContextPoli
             choice.kv_budget or 0,
             choice.n_discard,
             choice.selection != "layer",
-            block_size,
         )
     if choice.policy == "error":
         return ErrorPolicy()

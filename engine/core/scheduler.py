@@ -518,7 +518,7 @@ class Scheduler:
         after a preemption evicts whenever the context's slots are full."""
         policy = self.context_policy(req)
         left = req.num_tokens - req.num_computed_tokens
-        decision = policy.over_budget(req.num_cached_slots, decoding, prompt_done=left <= 1)
+        decision = policy.over_budget(req.num_cached_slots, decoding, left <= 1, self.kv.block_size)
         if decision is None and left > 1 and req.num_cached_slots >= self.config.max_model_len - 1:
             decision = policy.on_full(self._context_state(req))
         if isinstance(decision, Evict):

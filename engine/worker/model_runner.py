@@ -222,10 +222,11 @@ class ModelRunner:
         flat = [step.input_ids, step.positions, step.cu_seqlens_q, step.prefix_lens]
         for g in step.groups:
             flat += [g.block_tables, g.slot_mapping, g.seq_lens]
-        if step.score_from is not None and self.scores is not None:
+        scoring = step.score_from is not None and self.scores is not None
+        if scoring:
             flat.append(step.score_from)
         ids, positions, cu, prefix_lens, *per_group = to_device(flat, self.device)
-        score_from = per_group.pop() if len(per_group) > 3 * len(step.groups) else None
+        score_from = per_group.pop() if scoring else None
         metas = [
             AttentionMetadata(
                 slot_mapping=slots,
