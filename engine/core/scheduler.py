@@ -356,11 +356,16 @@ class Scheduler:
     def _take_prefix(self, req: Request) -> int:
         """Start a waiting request's tables with its longest cached prefix (at least one token
         is left to compute: its logits are needed); returns the prefix's tokens. A request
-        asking for prompt logprobs computes its whole prompt: a cached prefix has no logits."""
+        asking for prompt logprobs computes its whole prompt: a cached prefix has no logits;
+        nor has it the attention the rows an importance policy scores by pay."""
         if not self.kv.prefix_caching or req.params.prompt_logprobs is not None:
             return 0
+        most = req.num_tokens - 1
+        scored = self.context_policy(req).score_from(len(req.prompt_token_ids))
+        if scored is not None:
+            most = min(most, scored)
         keys = self.kv.block_keys(req.token_ids, req.block_keys)
-        found = self.kv.find_prefix(req.token_ids, keys, req.num_tokens - 1)
+        found = self.kv.find_prefix(req.token_ids, keys, most)
         return self.kv.take_prefix(req.block_tables, found)
 
     def _speculate(self, step: _Step) -> None:
@@ -491,8 +496,7 @@ class Scheduler:
                 self._count_drafts(req, s, accepted)
             elif s.draft_prefill:
                 req.num_draft_computed = s.start_pos + len(s.token_ids)
-            # An evicted cache holds no block of tokens in order: none is registered.
-            if self.kv.prefix_caching and not req.num_evicted:
+            if self.kv.prefix_caching and self._registers(req):
                 known = req.token_ids + tokens[:accepted]
                 req.num_registered_blocks = self.kv.cache_blocks(
                     req.block_tables, known, req.block_keys, req.num_computed_tokens,
@@ -512,6 +516,13 @@ class Scheduler:
             if req.status == RequestStatus.RUNNING:
                 self._over_budget(req, decoding)
         return got_tokens
+
+    def _registers(self, req: Request) -> bool:
+        """Whether ``req`` registers its blocks in the prefix cache: not once it has evicted
+        (its blocks hold no run of tokens in order), nor while its policy scores its keys
+        (registering may swap a block for an equal cached one, whose scores are not its own)."""
+        scored = self.context_policy(req).score_from(len(req.prompt_token_ids)) is not None
+        return not req.num_evicted and not scored
 
     def _over_budget(self, req: Request, decoding: bool) -> None:
         """After a step, a sequence with a KV budget evicts down to it; one computed again

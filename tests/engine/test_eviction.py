@@ -275,6 +275,19 @@ def test_evicted_blocks_are_not_shared_and_cached_prefixes_stay_right(tiny_llama
     check_pool(llm)
 
 
+@pytest.mark.parametrize("policy", ["snapkv", "h2o"])
+def test_a_cached_prefix_leaves_the_scored_rows_to_compute(tiny_llama, policy):
+    """The rows a policy scores by are computed even when the prefix cache holds them: the
+    eviction then chooses as it does without a cache."""
+    prompt = random_prompt(64, VOCAB, seed=11)
+    evicting = greedy(12, policy=policy, kv_budget=24, window=4)
+    want = make(tiny_llama).generate([prompt], evicting)[0].outputs[0].token_ids
+    llm = make(tiny_llama, enable_prefix_caching=True)
+    llm.generate([prompt], greedy(1))  # caches the whole prompt
+    assert llm.generate([prompt], evicting)[0].outputs[0].token_ids == want
+    check_pool(llm)
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_keeps_evicting_requests_whole(tiny_llama, mode):
     # Two prompts of 5 blocks fit, not once both grow to the budget and a block more.
