@@ -356,16 +356,15 @@ class Scheduler:
     def _take_prefix(self, req: Request) -> int:
         """Start a waiting request's tables with its longest cached prefix (at least one token
         is left to compute: its logits are needed); returns the prefix's tokens. A request
-        asking for prompt logprobs computes its whole prompt: a cached prefix has no logits;
-        nor has it the attention the rows an importance policy scores by pay."""
+        asking for prompt logprobs computes its whole prompt: a cached prefix has no logits.
+        Nor does a request whose policy scores its keys: a shared block's scores would be every
+        sharer's."""
         if not self.kv.prefix_caching or req.params.prompt_logprobs is not None:
             return 0
-        most = req.num_tokens - 1
-        scored = self.context_policy(req).score_from(len(req.prompt_token_ids))
-        if scored is not None:
-            most = min(most, scored)
+        if self._scores_keys(req):
+            return 0
         keys = self.kv.block_keys(req.token_ids, req.block_keys)
-        found = self.kv.find_prefix(req.token_ids, keys, most)
+        found = self.kv.find_prefix(req.token_ids, keys, req.num_tokens - 1)
         return self.kv.take_prefix(req.block_tables, found)
 
     def _speculate(self, step: _Step) -> None:
@@ -517,12 +516,16 @@ class Scheduler:
                 self._over_budget(req, decoding)
         return got_tokens
 
+    def _scores_keys(self, req: Request) -> bool:
+        """Whether attention accumulates scores in ``req``'s blocks, which must then be its
+        own: it shares no cached prefix and registers no blocks (registering may swap a block
+        for an equal cached one, whose scores are not its own)."""
+        return self.context_policy(req).score_from(len(req.prompt_token_ids)) is not None
+
     def _registers(self, req: Request) -> bool:
         """Whether ``req`` registers its blocks in the prefix cache: not once it has evicted
-        (its blocks hold no run of tokens in order), nor while its policy scores its keys
-        (registering may swap a block for an equal cached one, whose scores are not its own)."""
-        scored = self.context_policy(req).score_from(len(req.prompt_token_ids)) is not None
-        return not req.num_evicted and not scored
+        (its blocks hold no run of tokens in order), nor while it scores its keys."""
+        return not req.num_evicted and not self._scores_keys(req)
 
     def _over_budget(self, req: Request, decoding: bool) -> None:
         """After a step, a sequence with a KV budget evicts down to it; one computed again

@@ -285,6 +285,11 @@ def test_a_cached_prefix_leaves_the_scored_rows_to_compute(tiny_llama, policy):
     llm = make(tiny_llama, enable_prefix_caching=True)
     llm.generate([prompt], greedy(1))  # caches the whole prompt
     assert llm.generate([prompt], evicting)[0].outputs[0].token_ids == want
+    # Requests sharing a prefix keep their scores apart.
+    other = prompt[:40] + random_prompt(24, VOCAB, seed=12)
+    alone = make(tiny_llama).generate([other], evicting)[0].outputs[0].token_ids
+    both = llm.generate([prompt, other], evicting)
+    assert [o.outputs[0].token_ids for o in both] == [want, alone]
     check_pool(llm)
 
 
