@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "tile_math.h"
 #include "vec.h"
 
 namespace kvserve {
@@ -24,12 +25,6 @@ struct QueryState {
 
 AttentionScratch::AttentionScratch() = default;
 AttentionScratch::~AttentionScratch() = default;
-
-int64_t score_owners(int64_t threads) {
-  int64_t n = 1;
-  while (n < threads) n *= 2;
-  return n;
-}
 
 namespace {
 
@@ -60,84 +55,10 @@ void prepare(AttentionScratch& s, int64_t n, int64_t queries, const TileShape& t
   s.queries.resize(queries);
 }
 
-// s[i] = exp(s[i] - mx) over n floats; returns their sum.
-inline float exp_shifted(float* s, int64_t n, float mx) {
-  const vec8 m = splat8(mx);
-  vec8 acc = zero8();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const vec8 e = exp8(sub8(load8(s + i), m));
-    store8(s + i, e);
-    acc = add8(acc, e);
-  }
-  float total = hsum(acc);
-  for (; i < n; ++i) total += (s[i] = std::exp(s[i] - mx));
-  return total;
-}
-
 // Query qs, the c-th counted of a unit of n rows, keeps its weights in s.
 void keep(QueryState& qs, AttentionScratch& s, int64_t c, int64_t n, const TileShape& t) {
   qs.kept = s.kept.get() + c * n;
   qs.maxima = s.maxima.data() + c * ((n + t.tile - 1) / t.tile);
-}
-
-// dst[i] += f x[i] over n floats; dst[i] = f x[i] when not `add`.
-inline void add_scaled(const float* x, int64_t n, float f, float* dst, bool add) {
-  int64_t i = 0;
-  const vec8 fv = splat8(f);
-  for (; i + 8 <= n; i += 8)
-    store8(dst + i, add ? fma8(load8(x + i), fv, load8(dst + i)) : mul8(load8(x + i), fv));
-  for (; i < n; ++i) dst[i] = add ? dst[i] + f * x[i] : f * x[i];
-}
-
-// x[D] *= f.
-inline void scale_row(float* x, int64_t D, float f) {
-  int64_t c = 0;
-  for (; c + 8 <= D; c += 8) store8(x + c, mul8(load8(x + c), splat8(f)));
-  for (; c < D; ++c) x[c] *= f;
-}
-
-// s[i] = dot(q, rows[i]) * scale for i < n, eight rows side by side so that their products do
-// not wait on each other.
-void scores_of(const float* q, const float* const* rows, int64_t n, int64_t D, float scale,
-               float* s) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    vec8 acc[8];
-    for (int r = 0; r < 8; ++r) acc[r] = zero8();
-    int64_t d = 0;
-    for (; d + 8 <= D; d += 8) {
-      const vec8 qv = load8(q + d);
-      for (int r = 0; r < 8; ++r) acc[r] = fma8(qv, load8(rows[i + r] + d), acc[r]);
-    }
-    store8(s + i, mul8(sum8(acc), splat8(scale)));
-    for (; d < D; ++d)
-      for (int r = 0; r < 8; ++r) s[i + r] += q[d] * rows[i + r][d] * scale;
-  }
-  for (; i < n; ++i) s[i] = dot(q, rows[i], D) * scale;
-}
-
-// out[c .. c + 8V) += sum_i p[i] rows[i][c .. c + 8V), held in V registers.
-template <int V>
-inline void add_weighted_cols(const float* p, const float* const* rows, int64_t n, int64_t c,
-                              float* out) {
-  vec8 acc[V];
-  for (int j = 0; j < V; ++j) acc[j] = load8(out + c + 8 * j);
-  for (int64_t i = 0; i < n; ++i) {
-    const vec8 pi = splat8(p[i]);
-    const float* row = rows[i] + c;
-    for (int j = 0; j < V; ++j) acc[j] = fma8(pi, load8(row + 8 * j), acc[j]);
-  }
-  for (int j = 0; j < V; ++j) store8(out + c + 8 * j, acc[j]);
-}
-
-// out[D] += sum_i p[i] rows[i], 64 columns per pass over the rows.
-void add_weighted(const float* p, const float* const* rows, int64_t n, int64_t D, float* out) {
-  int64_t c = 0;
-  for (; c + 64 <= D; c += 64) add_weighted_cols<8>(p, rows, n, c, out);
-  for (; c + 8 <= D; c += 8) add_weighted_cols<1>(p, rows, n, c, out);
-  for (; c < D; ++c)  // columns past the last multiple of 8 (none in practice)
-    for (int64_t i = 0; i < n; ++i) out[c] += p[i] * rows[i][c];
 }
 
 // The query's running softmax over n more scores s (left as their exp(s - mx)).
@@ -228,38 +149,6 @@ void add_probabilities(const QueryState& qs, int64_t tile, float* dst, bool add 
     const int64_t a = std::max(qs.lo, t0), b = std::min(qs.hi, t0 + tile);
     const float f = std::exp(qs.maxima[t0 / tile] - qs.mx) / qs.sum;
     add_scaled(qs.kept + a, b - a, f, dst + a, add);
-  }
-}
-
-// f(slot, p0, p1) for each run p0 .. p1 - 1 of sequence b's positions lo .. hi - 1 that one
-// block holds (slot: p0's), of the blocks that `owner` of `owners` owns (score_owners). Full
-// attention: no ring.
-template <class F>
-void owned_runs(const CacheView& c, int64_t b, int64_t lo, int64_t hi, int64_t owner,
-                int64_t owners, F&& f) {
-  const int64_t bs = c.k.bs;
-  for (int64_t i = lo / bs; i * bs < hi; ++i) {
-    const int64_t block = c.tables[b * c.W + i], p0 = std::max(lo, i * bs);
-    if ((block & (owners - 1)) == owner) f(block * bs + p0 - i * bs, p0, std::min(hi, i * bs + bs));
-  }
-}
-
-// into[(p - p0) * H] += the sum over r < rows of src[r * stride + p], for p in p0 .. p1 - 1:
-// one KV head's scores of a run of slots (each slot's H heads adjacent).
-void add_run(const float* src, int64_t stride, int64_t rows, int64_t p0, int64_t p1, float* into,
-             int64_t H) {
-  for (int64_t c = p0; c < p1; c += 8) {
-    const int64_t n = std::min<int64_t>(8, p1 - c);
-    float sum[8] = {};
-    if (n == 8) {
-      vec8 acc = zero8();
-      for (int64_t r = 0; r < rows; ++r) acc = add8(acc, load8(src + r * stride + c));
-      store8(sum, acc);
-    } else {
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t i = 0; i < n; ++i) sum[i] += src[r * stride + c + i];
-    }
-    for (int64_t i = 0; i < n; ++i) into[(c - p0 + i) * H] += sum[i];
   }
 }
 
@@ -380,19 +269,6 @@ void PagedAttention::merge(int64_t row) const {
   }
 }
 
-void PagedAttention::add_scores(int64_t owner, int64_t owners) const {
-  const int64_t H = cache.k.heads, per = rows_per_kv_head();
-  for (int64_t b = 0; b < B; ++b) {
-    if (!counted(b)) continue;
-    const float* m = mass.data_ptr<float>() + mass_at[b];
-    const int64_t whole = span(b);
-    owned_runs(cache, b, 0, lens[b], owner, owners, [&](int64_t slot, int64_t p0, int64_t p1) {
-      for (int64_t h = 0; h < H; ++h)
-        add_run(m + h * per * whole, whole, per, p0, p1, sink.into + slot * H + h, H);
-    });
-  }
-}
-
 void PagedAttention::run() const {
   at::parallel_for(0, units(), 1, [&](int64_t u0, int64_t u1) {
     AttentionScratch scratch;
@@ -490,26 +366,6 @@ void PrefillAttention::unit_in(int64_t u, AttentionScratch& s) const {
   float* m = mass.data_ptr<float>() + mass_at[i] + h * n;  // full attention: lo is 0
   std::fill_n(m, n, 0.f);
   for (int64_t j = (counted - r0) * G; j < nq; ++j) add_probabilities(s.queries[j], shape.tile, m);
-}
-
-void PrefillAttention::add_scores(int64_t owner, int64_t owners) const {
-  if (mass_at.empty()) return;
-  const int64_t H = cache.k.heads;
-  for (int64_t b = 0; b + 1 < static_cast<int64_t>(blocks_of.size()); ++b) {
-    // The counted rows are the last of the chunk: its last block of rows has some if any has,
-    // and reads every key that any reads.
-    const int64_t i0 = blocks_of[b], i1 = blocks_of[b + 1];
-    if (i0 == i1 || mass_at[i1 - 1] < 0) continue;
-    owned_runs(cache, b, 0, keys(i1 - 1), owner, owners, [&](int64_t slot, int64_t p0, int64_t p1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t n = keys(i);
-        if (mass_at[i] < 0 || n <= p0) continue;
-        for (int64_t h = 0; h < H; ++h)
-          add_run(mass.data_ptr<float>() + mass_at[i] + h * n, 0, 1, p0, std::min(p1, n),
-                  sink.into + slot * H + h, H);
-      }
-    });
-  }
 }
 
 }  // namespace kvserve
