@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml
 		{ apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || \
 		{ apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends prometheus >/dev/null; }; }; } || \
 		echo "prometheus not installed: tests/deploy will be skipped"
-	# Build the C++ CPU kernels once (cached by torch); says why not where they cannot be.
-	$(PY) -c "from kernels import cpu; print('CPU kernels:', cpu.load() or 'built')"
+	# Build the C++ CPU kernels for every instruction set the machine runs (the tests run each),
+	# once (cached by torch); says why not where they cannot be.
+	$(PY) -c "from kernels import cpu; print('CPU kernels:', {i: cpu.build(i) or 'built' for i in cpu.isas()} or cpu.load())"
 	touch $@
 
 install: $(STAMP)

@@ -26,17 +26,20 @@ files written for the instruction set (``qformats.h`` lays out the block formats
 ``bindings.cpp`` and ``layer_args.cpp`` register the torch ops. It is built on first use with
 the system C++ compiler, once per instruction set (``ISAS``: ``avx2``, ``avx512`` with VNNI,
 each its own op namespace), and cached by torch (under ``$TORCH_EXTENSIONS_DIR``, default
-~/.cache/torch_extensions). ``load()`` builds the best one the machine runs
-(``$KVSERVE_CPU_ISA`` forces one) and says why not when it cannot, and the torch path serves
-instead.
+~/.cache/torch_extensions; ``build_lock`` lets one process at a time build each). ``load()``
+builds the best one the machine runs (``$KVSERVE_CPU_ISA`` forces one) and says why not when it
+cannot, and the torch path serves instead.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import os
 import platform
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -98,6 +101,19 @@ def chosen_isa() -> str | None:
     return runnable[-1] if runnable else None
 
 
+@contextlib.contextmanager
+def build_lock(directory: Path):
+    """Hold the build in ``directory`` for this process until the block ends. torch marks a
+    build in progress with a file ``lock`` there, which a killed build leaves behind, and waits
+    for it to go, forever; an flock goes with the process holding it, so with ours held a
+    ``lock`` file is one such leftover."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "kvserve.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)
+        yield
+
+
 @functools.cache
 def build(isa: str) -> str | None:
     """Build (once per source version) and load the ``isa`` library: None when loaded, else
@@ -111,16 +127,21 @@ def build(isa: str) -> str | None:
             import ninja
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        cpp_extension.load(
-            name=f"kvserve_cpu_{isa}",
-            sources=[str(p) for p in sorted(SOURCES.glob("*.cpp"))],
-            extra_cflags=[*FLAGS, *ISAS[isa][1], f"-DKVSERVE_OPS=kvserve_cpu_{isa}"],
-            # Both builds may be loaded at once: each calls its own copies of the kernels.
-            extra_ldflags=["-Wl,-Bsymbolic"],
-            extra_include_paths=[str(SOURCES)],
-            is_python_module=False,
-            verbose=False,
-        )
+        name = f"kvserve_cpu_{isa}"
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+        directory = Path(root) / f"{name}-py{sys.version_info[0]}{sys.version_info[1]}"
+        with build_lock(directory):
+            cpp_extension.load(
+                name=name,
+                sources=[str(p) for p in sorted(SOURCES.glob("*.cpp"))],
+                extra_cflags=[*FLAGS, *ISAS[isa][1], f"-DKVSERVE_OPS={name}"],
+                # Both builds may be loaded at once: each calls its own copies of the kernels.
+                extra_ldflags=["-Wl,-Bsymbolic"],
+                extra_include_paths=[str(SOURCES)],
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path serves
         return f"the CPU kernels did not build ({type(e).__name__}: {str(e).strip()[-300:]})"
     return None
