@@ -17,6 +17,9 @@ policy, as it does for a generating request:
   "sliding window with re-computation").
 - ``window`` is ``sink`` without sinks (``n_keep`` 0): the plain window that StreamingLLM shows
   blowing up once the first tokens leave the cache.
+- ``snapkv`` / ``h2o`` / ``knorm``: one request; the cache keeps the tokens the policy judges
+  important, evicting half of the context whenever it fills, or, with a ``kv_budget``, down to
+  the budget at the end of the prompt and every block after.
 - ``full``: the whole text in one context, the reference line.
 
 Every policy predicts the same tokens (all but the first), so perplexities compare directly;
@@ -54,7 +57,12 @@ from tqdm import tqdm
 
 from engine import LLM, SamplingParams
 from engine.args import EngineArgs
-from engine.core.context_overflow import ContextOverflow, round_up
+from engine.core.context_overflow import (
+    IMPORTANCE_POLICIES,
+    SCORED_POLICIES,
+    ContextOverflow,
+    round_up,
+)
 from engine.core.outputs import RequestOutput
 from models.fetch import cache_root
 
@@ -83,9 +91,12 @@ class Policy:
     overflow: ContextOverflow | None  # None: the whole text in one context
 
 
-def policy_grid(n_keep: Sequence[int], n_discard: Sequence[int | None]) -> list[Policy]:
+def policy_grid(
+    n_keep: Sequence[int], n_discard: Sequence[int | None], kv_budgets: Sequence[int] = (0,)
+) -> list[Policy]:
     """Every policy that goes on past a full context: truncate and sink for each ``n_keep``
-    (sink with 0 is the window without sinks), shift for each ``n_keep`` and ``n_discard``."""
+    (sink with 0 is the window without sinks), shift for each ``n_keep`` and ``n_discard``, and
+    each importance policy at each of ``kv_budgets`` (0: none, it evicts when the context fills)."""
     points = []
     for keep in n_keep:
         points.append(Policy(f"truncate n_keep={keep}", ContextOverflow("truncate", keep)))
@@ -94,6 +105,10 @@ def policy_grid(n_keep: Sequence[int], n_discard: Sequence[int | None]) -> list[
             points.append(Policy(label, ContextOverflow("shift", keep, discard)))
         label = "window (no sinks)" if keep == 0 else f"sink n_keep={keep}"
         points.append(Policy(label, ContextOverflow("sink", keep)))
+    for name in IMPORTANCE_POLICIES:
+        for budget in kv_budgets:
+            label = name + (f" kv_budget={budget}" if budget else "")
+            points.append(Policy(label, ContextOverflow(name, kv_budget=budget)))
     return points
 
 
@@ -502,7 +517,9 @@ def score(
         per_request = None if reference is None else [
             s for s, reqs in zip(sinks, requests) for _ in reqs
         ]  # fmt: skip
-        llm = engine_for(base, limit, min(len(flat), base.max_num_seqs))
+        scored = any(p.overflow.policy in SCORED_POLICIES for p in bounded)
+        args = dataclasses.replace(base, kv_scores=True) if scored else base
+        llm = engine_for(args, limit, min(len(flat), base.max_num_seqs))
         outputs = iter(_generate(llm, flat, per_request, bar))
         for policy, reqs, s in zip(bounded, requests, sinks):
             scored = scored_logprobs([next(outputs) for _ in reqs])

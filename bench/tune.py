@@ -55,6 +55,7 @@ from bench.loadtest import (
     spec_acceptance,
 )
 from engine.args import EngineArgs, add_cli_args, from_cli_args
+from engine.core.context_overflow import IMPORTANCE_POLICIES
 from models.fetch import resolve_model
 from models.tokenizer import Tokenizer
 
@@ -849,6 +850,14 @@ def add_quality_arguments(p: argparse.ArgumentParser) -> None:
         help="n_discard values for shift (default: the policy's own, half the context)",
     )
     q.add_argument(
+        "--kv-budgets",
+        type=_int_list,
+        default=(0,),
+        metavar="B1,B2",
+        help="KV budgets (cached tokens per sequence) of the importance policies snapkv, h2o "
+        "and knorm in the grid (default 0: none, they evict when the context fills)",
+    )
+    q.add_argument(
         "--chunk",
         type=int,
         default=quality.DEFAULT_CHUNK,
@@ -985,7 +994,7 @@ def quality_main(args: argparse.Namespace) -> int:
     if args.sweep and kv_dtypes is None:
         return quality_sweep(args, base, tokens, description)
     policies = [quality.Policy("full context", None)]
-    policies += quality.policy_grid(args.n_keep, args.n_discard)
+    policies += quality.policy_grid(args.n_keep, args.n_discard, args.kv_budgets)
     results = quality.score_kv_dtypes(
         base, tokens, kv_dtypes or [base.kv_cache_dtype], policies, limit, args.chunk, True
     )
@@ -1022,7 +1031,7 @@ def quality_sweep(
     for p in done:
         overflow = p.engine_args.default_overflow()
         result = None
-        if overflow.policy in ("truncate", "shift", "sink"):
+        if overflow.policy in ("truncate", "shift", "sink", *IMPORTANCE_POLICIES):
             policy = quality.Policy(format_settings(p.settings), overflow)
             lim = p.engine_args.max_model_len
             (result,) = quality.score(

@@ -140,6 +140,46 @@ def test_scoring_decides_as_serving_does(tiny, choice):
     assert scoring.engine.metrics.registry.get_sample_value(name, labels) == served_count
 
 
+@pytest.mark.parametrize(
+    "choice",
+    [
+        ContextOverflow("snapkv", kv_budget=24, window=8),
+        ContextOverflow("h2o", kv_budget=32, window=8),
+        ContextOverflow("knorm"),
+    ],
+    ids=["snapkv-budget", "h2o-budget", "knorm-full"],
+)
+def test_scoring_evicts_as_serving_does(tiny, choice):
+    """Under an importance policy, with a budget or when the context fills, forcing the tokens
+    a served request generated evicts as it did and repeats its every score."""
+    path, _ = tiny
+    prompt = random_prompt(LIMIT - CHUNK, VOCAB, seed=3)
+    served_llm = LLM(str(path), dtype="float32", kv_cache_dtype="float32", device="cpu",
+                     block_size=BLOCK, max_model_len=LIMIT, num_kv_blocks=32,
+                     kv_scores=True)  # fmt: skip
+    serve = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True, logprobs=0,
+                           overflow=choice)  # fmt: skip
+    (served,) = served_llm.generate([prompt], serve)
+    generated = served.outputs[0].token_ids
+    assert len(generated) == 150
+
+    policy = quality.Policy("p", choice)
+    scoring_args = dataclasses.replace(base_args(path), kv_scores=True)
+    (scored,) = quality.score(scoring_args, prompt + generated, [policy], LIMIT, CHUNK)
+    served_lp = [lp.logprob for lp in served.outputs[0].logprobs]
+    torch.testing.assert_close(
+        torch.tensor(scored.logprobs[len(prompt) - 1 :]), torch.tensor(served_lp), atol=1e-5, rtol=0
+    )
+    name = "kvserve:kv_evicted_tokens_total"
+    labels = {"policy": choice.policy}
+    served_count = served_llm.engine.metrics.registry.get_sample_value(name, labels)
+    scoring = quality.engine_for(scoring_args, LIMIT, 1)
+    requests = quality.score_requests(prompt + generated, choice, LIMIT, CHUNK)
+    scoring.generate([p for p, _ in requests], [s for _, s in requests])
+    assert served_count > 2 * LIMIT  # evicted again and again
+    assert scoring.engine.metrics.registry.get_sample_value(name, labels) == served_count
+
+
 @pytest.mark.parametrize("layout", ["gemma3", "deepseek_v3"])
 def test_every_layout_scores_every_policy(tmp_path, layout):
     """Gemma 3 (a window ring beside global layers) and MLA latents go through all the
@@ -166,12 +206,15 @@ def test_the_command_writes_its_table_and_plot(smollm2_dir, tmp_path):
     code = tune.main([
         "--model", str(smollm2_dir), "--objective", "quality", "--text", str(text),
         "--max-model-len", "64", "--text-tokens", "160", "--chunk", "16", "--block-size", "8",
-        "--n-keep", "0,4", "--kv-cache-dtype", "float32", "--out", str(out),
+        "--n-keep", "0,4", "--kv-budgets", "0,32", "--kv-cache-dtype", "float32",
+        "--out", str(out),
     ])  # fmt: skip
     assert code == 0
     table = (out / "quality.md").read_text()
     labels = ["full context", "truncate n_keep=0", "shift n_keep=0", "window (no sinks)",
-              "truncate n_keep=4", "shift n_keep=4", "sink n_keep=4"]  # fmt: skip
+              "truncate n_keep=4", "shift n_keep=4", "sink n_keep=4", "snapkv",
+              "snapkv kv_budget=32", "h2o", "h2o kv_budget=32", "knorm",
+              "knorm kv_budget=32"]  # fmt: skip
     for label in labels:
         assert f"| {label} |" in table
     data = json.loads((out / "quality.json").read_text())
@@ -183,7 +226,9 @@ def test_the_command_writes_its_table_and_plot(smollm2_dir, tmp_path):
     assert full["kv_cache_dtype"] == "float32"
     assert full["divergence"]["kld_max"] == 0 and full["divergence"]["top1"] == 1
     for r in data["results"]:
-        assert max(r["kld"][:63]) < 1e-6 and all(r["top1"][:63]), r["policy"]
+        # A budget compresses the 48-token prompt at its end: its own rows are the full ones.
+        same = 47 if "kv_budget" in r["policy"] else 63
+        assert max(r["kld"][:same]) < 1e-6 and all(r["top1"][:same]), r["policy"]
         assert r["divergence"]["rows"] == 159
     assert (out / "quality.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -195,7 +240,7 @@ def test_a_sweep_puts_each_points_perplexity_beside_its_throughput(smollm2_dir, 
     code = tune.main([
         "--model", str(smollm2_dir), "--objective", "quality", "--text", str(text),
         "--max-model-len", "64", "--text-tokens", "100", "--chunk", "16", "--block-size", "8",
-        "--num-kv-blocks", "64", "--sweep", "context_overflow=sink,error",
+        "--num-kv-blocks", "64", "--sweep", "context_overflow=sink,error,knorm",
         "--num-prompts", "2", "--input-len", "16", "--output-len", "4",
         "--scrape-interval", "0", "--warmup", "0", "--out", str(out),
     ])  # fmt: skip
@@ -204,7 +249,8 @@ def test_a_sweep_puts_each_points_perplexity_beside_its_throughput(smollm2_dir, 
     full = next(line for line in lines if "| full context |" in line)
     sink = next(line for line in lines if "context_overflow=sink" in line)
     error = next(line for line in lines if "context_overflow=error" in line)
-    ppl = [float(c) for c in full.split("|")[5:7]] + [float(c) for c in sink.split("|")[5:7]]
+    knorm = next(line for line in lines if "context_overflow=knorm" in line)
+    ppl = [float(c) for line in (full, sink, knorm) for c in line.split("|")[5:7]]
     assert all(1 < v < 1000 for v in ppl)
     assert float(sink.split("|")[3]) > 0  # output tok/s measured for the same point
     assert error.split("|")[5].strip() == "-"  # error never goes past the context
@@ -375,7 +421,8 @@ def test_a_kv_dtype_sweep_puts_every_dtype_and_policy_in_one_table(worded, tmp_p
     for line in lines[lines.index(head) + 2 :]:
         cells = [c.strip() for c in line.strip("|").split("|")]
         table[cells[0], cells[1]] = dict(zip(columns, cells))
-    policies = ["full context", "truncate n_keep=4", "shift n_keep=4", "sink n_keep=4"]
+    policies = ["full context", "truncate n_keep=4", "shift n_keep=4", "sink n_keep=4",
+                "snapkv", "h2o", "knorm"]  # fmt: skip
     assert list(table) == [(kv, p) for kv in ("float32", "int8", "int4") for p in policies]
     assert table["float32", "full context"]["mean KLD"] == "0"
     assert table["float32", "full context"]["top-1 %"] == "100.00"
@@ -383,6 +430,6 @@ def test_a_kv_dtype_sweep_puts_every_dtype_and_policy_in_one_table(worded, tmp_p
     assert 0 < klds[0] < klds[1]
     data = json.loads((out / "quality.json").read_text())
     assert [r["kv_cache_dtype"] for r in data["results"]] == [kv for kv, _ in table]
-    int4 = data["results"][8]["divergence"]
+    int4 = data["results"][2 * len(policies)]["divergence"]
     assert int4["rows"] == 127 and int4["kld_mean"] == pytest.approx(klds[1], rel=1e-2)
     assert (out / "quality.png").read_bytes()[:4] == b"\x89PNG"
