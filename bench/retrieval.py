@@ -4,7 +4,9 @@ against its full cache, StreamingLLM's sinks and window at the same memory, and 
 Accuracy: every prompt of a ``bench.needle`` dataset, greedy, under each policy at each KV
 budget (a fraction of the prompt's tokens, as kvpress's compression ratio is); exact match of
 the pass key. ``sink`` is the budget held by the first ``n_keep`` and the most recent tokens,
-after a prefill over the whole prompt (StreamingLLM as kvpress's press runs it).
+after a prefill over the whole prompt (StreamingLLM as kvpress's press runs it). ``shift`` is
+a context of the budget's size: a longer prompt goes in truncated to its first ``n_keep`` and
+its last tokens (kvserve's ``truncate``, what llama.cpp's server does before it shifts).
 
 Throughput: ``--concurrent`` long prompts at once into a KV pool of ``--pool-tokens``, each
 generating ``--max-tokens``: total output tokens per second, full cache against budgets.
@@ -28,7 +30,7 @@ from bench.needle import MAX_NEW_TOKENS, Dataset, Sample, is_correct, load
 from engine import LLM, SamplingParams
 from engine.core.context_overflow import DEFAULT_KEEP, ContextOverflow
 
-POLICIES = ("snapkv", "h2o", "knorm", "sink")
+POLICIES = ("snapkv", "h2o", "knorm", "sink", "shift")
 BUDGETS = (0.5, 0.25)
 
 
@@ -38,6 +40,8 @@ def overflow(policy: str, budget: int) -> ContextOverflow | None:
         return None
     if policy == "sink":  # any importance policy keeps exactly its sinks and window
         return ContextOverflow("knorm", DEFAULT_KEEP, kv_budget=budget, window=budget)
+    if policy == "shift":  # in a context of ``budget`` tokens (``shifted``)
+        return ContextOverflow("truncate", DEFAULT_KEEP)
     return ContextOverflow(policy, kv_budget=budget)
 
 
@@ -66,6 +70,18 @@ def accuracy(llm: LLM, samples: Sequence[Sample], policy: str, fraction: float) 
     hits = sum(r["correct"] for r in rows)
     print(f"  {policy or 'full'} @ {fraction:g}: {hits}/{len(rows)} in {seconds:.0f} s", flush=True)
     return dict(policy=policy or "full", budget=fraction, accuracy=hits / len(rows), rows=rows)
+
+
+def shifted(model: str, samples: Sequence[Sample], args, fraction: float) -> dict:
+    """``accuracy`` of ``shift`` at ``fraction``: an engine whose context is the budget, one
+    per prompt length."""
+    rows = []
+    for length in sorted({s.length for s in samples}):
+        llm = engine(model, round(fraction * length))
+        same = [s for s in samples if s.length == length]
+        rows += accuracy(llm, same, "shift", fraction)["rows"]
+    hits = sum(r["correct"] for r in rows)
+    return dict(policy="shift", budget=fraction, accuracy=hits / len(rows), rows=rows)
 
 
 def throughput(model: str, samples: Sequence[Sample], args, policy: str, fraction: float) -> dict:
@@ -113,7 +129,7 @@ def kvpress_table(path: str | None) -> dict[tuple[str, float], float]:
 
 KVPRESS_NAMES = {
     "full": "none", "snapkv": "snapkv", "knorm": "knorm", "sink": "streaming_llm",
-    "h2o": "observed_attention",
+    "h2o": "observed_attention", "shift": None,
 }  # fmt: skip
 
 
@@ -183,7 +199,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     llm = engine(model, args.max_model_len, num_kv_blocks=blocks, block_size=16)
     print("accuracy:", flush=True)
     acc = [accuracy(llm, dataset.samples, "", 0.0)]
-    acc += [accuracy(llm, dataset.samples, p, b) for b in args.budgets for p in args.policies]
+    for b in args.budgets:
+        for p in args.policies:
+            if p == "shift":
+                acc.append(shifted(model, dataset.samples, args, b))
+            else:
+                acc.append(accuracy(llm, dataset.samples, p, b))
     del llm
     tput = []
     if args.throughput:
