@@ -115,16 +115,18 @@ def throughput(model: str, samples: Sequence[Sample], args, policy: str, fractio
                 preemptions=preemptions)  # fmt: skip
 
 
-def kvpress_table(path: str | None) -> dict[tuple[str, float], float]:
-    """kvpress's accuracy by (method, budget) from ``bench.kvpress_peer``'s results."""
+def kvpress_table(path: str | None) -> tuple[dict[tuple[str, float], tuple], list[dict]]:
+    """kvpress's accuracy by (method, budget), and its throughput runs (the last of each
+    method and budget), from ``bench.kvpress_peer``'s results."""
     if not path:
-        return {}
+        return {}, []
     data = json.loads(Path(path).read_text())
-    out = {}
+    accuracy = {}
     for row in data.get("summary", []):
         budget = round(1.0 - (row.get("ratio") or 0.0), 3)
-        out[(row["press"], budget)] = (row["accuracy"], row["prompts"])
-    return out
+        accuracy[(row["press"], budget)] = (row["accuracy"], row["prompts"])
+    runs = {(r["press"], r["ratio"]): r for r in data.get("throughput", [])}
+    return accuracy, list(runs.values())
 
 
 KVPRESS_NAMES = {
@@ -133,7 +135,10 @@ KVPRESS_NAMES = {
 }  # fmt: skip
 
 
-def report(dataset: Dataset, acc: list[dict], tput: list[dict], peer: dict, args) -> str:
+def report(
+    dataset: Dataset, acc: list[dict], tput: list[dict], peer: tuple[dict, list[dict]], args
+) -> str:
+    peer_acc, peer_tput = peer
     full = next(r["accuracy"] for r in acc if r["policy"] == "full")
     lines = [
         f"# Needle retrieval under KV eviction ({dataset.meta.get('model')})",
@@ -148,7 +153,7 @@ def report(dataset: Dataset, acc: list[dict], tput: list[dict], peer: dict, args
         "|---|---|---|---|---|",
     ]
     for r in acc:
-        theirs = peer.get((KVPRESS_NAMES[r["policy"]], round(r["budget"] or 1.0, 3)))
+        theirs = peer_acc.get((KVPRESS_NAMES[r["policy"]], round(r["budget"] or 1.0, 3)))
         cells = [
             r["policy"], f"{r['budget']:.0%}" if r["budget"] else "100%",
             f"{r['accuracy']:.0%}", f"{r['accuracy'] / full:.0%}" if full else "-",
@@ -170,6 +175,19 @@ def report(dataset: Dataset, acc: list[dict], tput: list[dict], peer: dict, args
             ratio = f"{t['tok_s'] / base:.2f}x"
             cells = [t["policy"], budget, f"{t['tok_s']:.1f}", ratio, str(t["preemptions"])]
             lines.append("| " + " | ".join(cells) + " |")
+        for t in peer_tput:
+            budget = f"{1 - t['ratio']:.0%}"
+            ratio = f"{t['output_tok_s'] / base:.2f}x"
+            cells = [f"kvpress {t['press']}", budget, f"{t['output_tok_s']:.1f}", ratio, "-"]
+            lines.append("| " + " | ".join(cells) + " |")
+        if peer_tput:
+            lines += [
+                "",
+                "kvpress: the same prompts one at a time (it serves a batch of one), "
+                f"{peer_tput[-1]['output_tokens'] // peer_tput[-1]['prompts']} output tokens "
+                f"each, {peer_tput[-1].get('threads')} torch threads, as `bench.kvpress_peer "
+                "throughput` records it.",
+            ]
     return "\n".join(lines) + "\n"
 
 
