@@ -85,10 +85,12 @@ def shifted(model: str, samples: Sequence[Sample], args, fraction: float) -> dic
 
 
 def throughput(model: str, samples: Sequence[Sample], args, policy: str, fraction: float) -> dict:
-    """``args.concurrent`` prompts at once into a pool of ``args.pool_tokens``: output tok/s."""
+    """``args.concurrent`` prompts at once into a pool of ``args.pool_tokens``: output tok/s.
+    Without prefix caching: the prompts stand for as many different documents (the dataset's
+    share their text up to the needle, and a scored policy's requests take no cached prefix)."""
     llm = engine(
         model, args.max_model_len, num_kv_blocks=args.pool_tokens // 16, block_size=16,
-        max_num_seqs=args.concurrent,
+        max_num_seqs=args.concurrent, enable_prefix_caching=False,
     )  # fmt: skip
     chosen = [samples[i % len(samples)] for i in range(args.concurrent)]
     params = [
@@ -165,7 +167,8 @@ def report(
         lines += [
             "",
             f"Throughput: {args.concurrent} concurrent prompts, {args.max_tokens} output tokens "
-            f"each, a pool of {args.pool_tokens} KV tokens; median of {args.rounds}.",
+            f"each, a pool of {args.pool_tokens} KV tokens, no prefix caching; median of "
+            f"{args.rounds}.",
             "",
             "| policy | KV budget | output tok/s | vs full cache | preemptions |",
             "|---|---|---|---|---|",
