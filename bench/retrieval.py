@@ -7,6 +7,7 @@ the pass key. ``sink`` is the budget held by the first ``n_keep`` and the most r
 after a prefill over the whole prompt (StreamingLLM as kvpress's press runs it). ``shift`` is
 a context of the budget's size: a longer prompt goes in truncated to its first ``n_keep`` and
 its last tokens (kvserve's ``truncate``, what llama.cpp's server does before it shifts).
+A policy named ``NAME-layer`` (``snapkv-layer``) chooses once per layer, not per KV head.
 
 Throughput: ``--concurrent`` long prompts at once into a KV pool of ``--pool-tokens``, each
 generating ``--max-tokens``: total output tokens per second, full cache against budgets.
@@ -42,7 +43,8 @@ def overflow(policy: str, budget: int) -> ContextOverflow | None:
         return ContextOverflow("knorm", DEFAULT_KEEP, kv_budget=budget, window=budget)
     if policy == "shift":  # in a context of ``budget`` tokens (``shifted``)
         return ContextOverflow("truncate", DEFAULT_KEEP)
-    return ContextOverflow(policy, kv_budget=budget)
+    name, _, per = policy.partition("-")
+    return ContextOverflow(name, kv_budget=budget, selection=per or None)
 
 
 def engine(model: str, max_model_len: int, **kw) -> LLM:
@@ -133,7 +135,7 @@ def kvpress_table(path: str | None) -> tuple[dict[tuple[str, float], tuple], lis
 
 KVPRESS_NAMES = {
     "full": "none", "snapkv": "snapkv", "knorm": "knorm", "sink": "streaming_llm",
-    "h2o": "observed_attention", "shift": None,
+    "h2o": "observed_attention",
 }  # fmt: skip
 
 
@@ -155,7 +157,7 @@ def report(
         "|---|---|---|---|---|",
     ]
     for r in acc:
-        theirs = peer_acc.get((KVPRESS_NAMES[r["policy"]], round(r["budget"] or 1.0, 3)))
+        theirs = peer_acc.get((KVPRESS_NAMES.get(r["policy"]), round(r["budget"] or 1.0, 3)))
         cells = [
             r["policy"], f"{r['budget']:.0%}" if r["budget"] else "100%",
             f"{r['accuracy']:.0%}", f"{r['accuracy'] / full:.0%}" if full else "-",

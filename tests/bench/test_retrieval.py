@@ -54,17 +54,18 @@ def test_the_report_puts_every_policy_and_kvpress_side_by_side(worded, tmp_path)
     out = tmp_path / "r"
     retrieval.main([
         "--dataset", dataset(tmp_path), "--model", str(worded), "--policies", "snapkv", "sink",
-        "shift", "--budgets", "0.5", "--max-model-len", "256", "--throughput", "--concurrent",
-        "2", "--max-tokens", "4", "--pool-tokens", "256", "--kvpress", str(peer),
+        "shift", "snapkv-layer", "--budgets", "0.5", "--max-model-len", "256", "--throughput",
+        "--concurrent", "2", "--max-tokens", "4", "--pool-tokens", "256", "--kvpress", str(peer),
         "--out", str(out),
     ])  # fmt: skip
     table = out.with_suffix(".md").read_text()
     assert "| snapkv | 50% |" in table and "| 85% (of 20) |" in table
     assert "| sink | 50% |" in table and "| shift | 50% |" in table
+    assert "| snapkv-layer | 50% |" in table
     assert "| kvpress none | 100% | 3.5 |" in table
     data = json.loads(out.with_suffix(".json").read_text())
     assert [(r["policy"], r["budget"]) for r in data["accuracy"]] == [
-        ("full", 0.0), ("snapkv", 0.5), ("sink", 0.5), ("shift", 0.5)
+        ("full", 0.0), ("snapkv", 0.5), ("sink", 0.5), ("shift", 0.5), ("snapkv-layer", 0.5)
     ]  # fmt: skip
     assert all(len(r["rows"]) == 2 for r in data["accuracy"])
     tput = data["throughput"]
