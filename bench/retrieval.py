@@ -129,7 +129,8 @@ def kvpress_table(path: str | None) -> tuple[dict[tuple[str, float], tuple], lis
     for row in data.get("summary", []):
         budget = round(1.0 - (row.get("ratio") or 0.0), 3)
         accuracy[(row["press"], budget)] = (row["accuracy"], row["prompts"])
-    runs = {(r["press"], r["ratio"]): r for r in data.get("throughput", [])}
+    runs = {(r["press"], r["ratio"], r["output_tokens"] // r["prompts"]): r
+            for r in data.get("throughput", [])}  # fmt: skip
     return accuracy, list(runs.values())
 
 
@@ -143,7 +144,8 @@ def report(
     dataset: Dataset, acc: list[dict], tput: list[dict], peer: tuple[dict, list[dict]], args
 ) -> str:
     peer_acc, peer_tput = peer
-    full = next(r["accuracy"] for r in acc if r["policy"] == "full")
+    peer_tput = [t for t in peer_tput if t["output_tokens"] // t["prompts"] == args.max_tokens]
+    full = next((r["accuracy"] for r in acc if r["policy"] == "full"), None)
     lines = [
         f"# Needle retrieval under KV eviction ({dataset.meta.get('model')})",
         "",
@@ -152,10 +154,13 @@ def report(
         f"depths {sorted({s.depth for s in dataset.samples})}; greedy, {MAX_NEW_TOKENS} tokens.",
         "",
         f"`python -m bench.retrieval {' '.join(args.argv)}`",
-        "",
-        "| policy | KV budget | kvserve accuracy | of the full cache | kvpress accuracy |",
-        "|---|---|---|---|---|",
     ]
+    if acc:
+        lines += [
+            "",
+            "| policy | KV budget | kvserve accuracy | of the full cache | kvpress accuracy |",
+            "|---|---|---|---|---|",
+        ]
     for r in acc:
         theirs = peer_acc.get((KVPRESS_NAMES.get(r["policy"]), round(r["budget"] or 1.0, 3)))
         cells = [
@@ -205,6 +210,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--budgets", type=float, nargs="+", default=list(BUDGETS))
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kvpress", help="bench.kvpress_peer's results, shown beside ours")
+    parser.add_argument("--accuracy", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--throughput", action="store_true")
     parser.add_argument("--concurrent", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -219,16 +225,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     model = args.model or dataset.meta["model"]
     # Room for every prompt at once: the full cache is measured without preemptions.
     blocks = sum(-(-(s.length + MAX_NEW_TOKENS) // 16) for s in dataset.samples)
-    llm = engine(model, args.max_model_len, num_kv_blocks=blocks, block_size=16)
-    print("accuracy:", flush=True)
-    acc = [accuracy(llm, dataset.samples, "", 0.0)]
-    for b in args.budgets:
-        for p in args.policies:
-            if p == "shift":
-                acc.append(shifted(model, dataset.samples, args, b))
-            else:
-                acc.append(accuracy(llm, dataset.samples, p, b))
-    del llm
+    acc = []
+    if args.accuracy:
+        llm = engine(model, args.max_model_len, num_kv_blocks=blocks, block_size=16)
+        print("accuracy:", flush=True)
+        acc.append(accuracy(llm, dataset.samples, "", 0.0))
+        for b in args.budgets:
+            for p in args.policies:
+                if p == "shift":
+                    acc.append(shifted(model, dataset.samples, args, b))
+                else:
+                    acc.append(accuracy(llm, dataset.samples, p, b))
+        del llm
     tput = []
     if args.throughput:
         print("throughput:", flush=True)
