@@ -61,3 +61,18 @@ def tiny_llama_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
     save_tiny_llama(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def worded_llama_dir(tmp_path_factory, smollm2_dir):
+    """A tiny random Llama with SmolLM2's tokenizer (and its vocabulary), for commands that read
+    text."""
+    import shutil
+
+    from tests.helpers import save_tiny_llama
+
+    path = tmp_path_factory.mktemp("worded-llama")
+    save_tiny_llama(path, hidden_size=128, vocab_size=49152, max_position_embeddings=512)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, path / name)
+    return path

@@ -4,26 +4,16 @@ context of the budget, the throughput runs, and kvpress's figures beside ours in
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
 from bench import needle, retrieval
-from tests.helpers import random_prompt, save_tiny_llama
+from tests.helpers import random_prompt
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 LENGTH = 96
-
-
-@pytest.fixture(scope="module")
-def worded(tmp_path_factory, smollm2_dir):
-    path = tmp_path_factory.mktemp("worded-llama")
-    save_tiny_llama(path, hidden_size=64, vocab_size=49152, max_position_embeddings=512)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2_dir / name, path / name)
-    return path
 
 
 def dataset(tmp_path) -> str:
@@ -44,7 +34,7 @@ def dataset(tmp_path) -> str:
     return str(path)
 
 
-def test_the_report_puts_every_policy_and_kvpress_side_by_side(worded, tmp_path):
+def test_the_report_puts_every_policy_and_kvpress_side_by_side(worded_llama_dir, tmp_path):
     peer = tmp_path / "kvpress.json"
     peer.write_text(json.dumps({
         "summary": [dict(press="snapkv", ratio=0.5, accuracy=0.85, prompts=20)],
@@ -53,10 +43,10 @@ def test_the_report_puts_every_policy_and_kvpress_side_by_side(worded, tmp_path)
     }))  # fmt: skip
     out = tmp_path / "r"
     retrieval.main([
-        "--dataset", dataset(tmp_path), "--model", str(worded), "--policies", "snapkv", "sink",
-        "shift", "snapkv-layer", "--budgets", "0.5", "--max-model-len", "256", "--throughput",
-        "--concurrent", "2", "--max-tokens", "4", "--pool-tokens", "256", "--kvpress", str(peer),
-        "--out", str(out),
+        "--dataset", dataset(tmp_path), "--model", str(worded_llama_dir), "--policies",
+        "snapkv", "sink", "shift", "snapkv-layer", "--budgets", "0.5", "--max-model-len", "256",
+        "--throughput", "--concurrent", "2", "--max-tokens", "4", "--pool-tokens", "256",
+        "--kvpress", str(peer), "--out", str(out),
     ])  # fmt: skip
     table = out.with_suffix(".md").read_text()
     assert "| snapkv | 50% |" in table and "| 85% (of 20) |" in table
