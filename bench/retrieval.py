@@ -147,7 +147,7 @@ def report(
     peer_tput = [t for t in peer_tput if t["output_tokens"] // t["prompts"] == args.max_tokens]
     full = next((r["accuracy"] for r in acc if r["policy"] == "full"), None)
     lines = [
-        f"# Needle retrieval under KV eviction ({dataset.meta.get('model')})",
+        f"# Needle retrieval under KV eviction ({args.model or dataset.meta.get('model')})",
         "",
         f"{date.today()}, {platform.node()} ({platform.processor() or platform.machine()}), "
         f"{len(dataset.samples)} prompts of {sorted({s.length for s in dataset.samples})} tokens, "

@@ -49,6 +49,7 @@ def test_the_report_puts_every_policy_and_kvpress_side_by_side(worded_llama_dir,
         "--kvpress", str(peer), "--out", str(out),
     ])  # fmt: skip
     table = out.with_suffix(".md").read_text()
+    assert table.startswith(f"# Needle retrieval under KV eviction ({worded_llama_dir})")
     assert "| snapkv | 50% |" in table and "| 85% (of 20) |" in table
     assert "| sink | 50% |" in table and "| shift | 50% |" in table
     assert "| snapkv-layer | 50% |" in table
