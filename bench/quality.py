@@ -517,8 +517,8 @@ def score(
         per_request = None if reference is None else [
             s for s, reqs in zip(sinks, requests) for _ in reqs
         ]  # fmt: skip
-        scored = any(p.overflow.policy in SCORED_POLICIES for p in bounded)
-        args = dataclasses.replace(base, kv_scores=True) if scored else base
+        keeps_scores = any(p.overflow.policy in SCORED_POLICIES for p in bounded)
+        args = dataclasses.replace(base, kv_scores=True) if keeps_scores else base
         llm = engine_for(args, limit, min(len(flat), base.max_num_seqs))
         outputs = iter(_generate(llm, flat, per_request, bar))
         for policy, reqs, s in zip(bounded, requests, sinks):

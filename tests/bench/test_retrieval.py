@@ -26,7 +26,7 @@ def dataset(tmp_path) -> str:
             prompt_ids=random_prompt(LENGTH, 49152, seed=i),
             needle_start=40,
             needle_end=50,
-        )  # fmt: skip
+        )
         for i in range(2)
     ]
     path = tmp_path / "needle.json"
