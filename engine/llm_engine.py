@@ -272,10 +272,11 @@ class LLMEngine:
             if self.grammars is None:
                 message = "Structured output needs the model's tokenizer, and it has none."
                 raise RequestError(message, param=params.structured.param)
-            # Raises for an invalid one, or one slower to compile than the limit; waits for a
-            # compile thread meanwhile, so the server calls admit off its event loop.
+            # Raises for an invalid one, one slower to compile than the limit, or one that ends
+            # before min_tokens; waits for a compile thread meanwhile, so the server calls
+            # admit off its event loop.
             try:
-                self.grammars.grammar(params.structured, self.max_grammar_compile_s)
+                self.grammars.admit(params, self.max_grammar_compile_s)
             except RequestError as e:
                 if e.code == "grammar_too_complex":  # a limit, like the others counted
                     self.metrics.refused(e.code)
@@ -382,7 +383,8 @@ class LLMEngine:
         failed = {rid: e for rid, e in sampled.items() if isinstance(e, Exception)}
         outputs = []
         for rid, e in failed.items():
-            outputs += self._fail([self.scheduler.requests[rid]], _describe("sampling", e))
+            why = e if isinstance(e, RequestError) else _describe("sampling", e)
+            outputs += self._fail([self.scheduler.requests[rid]], why)
         got = self.scheduler.update(
             out, {rid: [t for t, _ in s] for rid, s in sampled.items() if rid not in failed}
         )
@@ -461,9 +463,12 @@ class LLMEngine:
             req.num_cached_tokens, self._prompt_logprobs.pop(req.request_id, None),
         )  # fmt: skip
 
-    def _fail(self, reqs: list[Request], error: str) -> list[RequestOutput]:
-        """Ends ``reqs`` with finish_reason "error" and the message ``error``; each gets its
-        final output even if it had just finished."""
+    def _fail(self, reqs: list[Request], error: str | RequestError) -> list[RequestOutput]:
+        """Ends ``reqs`` with finish_reason "error" and the message ``error``, or the request's
+        own fault ``error`` (a constraint it turned out not to meet: the server answers 400);
+        each gets its final output even if it had just finished."""
+        fault = error if isinstance(error, RequestError) else None
+        message = error.message if fault is not None else error
         outs = []
         for req in reqs:
             if not req.finished:
@@ -471,7 +476,7 @@ class LLMEngine:
             if self._detokenizers.pop(req.request_id, None) is not None:
                 self._finished(req)
             self._prompt_logprobs.pop(req.request_id, None)
-            out = CompletionOutput(0, finish_reason="error", error=error)
+            out = CompletionOutput(0, finish_reason="error", error=message, fault=fault)
             outs.append(RequestOutput(req.request_id, req.prompt_token_ids, [out], True))
         return outs
 

@@ -121,6 +121,7 @@ class ChoiceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    fault: RequestError | None = None  # the request's own, when it failed by it
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, delta: CompletionOutput) -> None:
@@ -131,6 +132,7 @@ class ChoiceState:
             self.finish_reason = delta.finish_reason
             self.stop_reason = delta.stop_reason
             self.error = delta.error
+            self.fault = delta.fault
 
 
 async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
@@ -269,11 +271,15 @@ class Generation:
 
 def check_finished(choice: ChoiceState) -> None:
     if choice.finish_reason == "error":
-        raise EngineFailedError(engine_error(choice.index, choice.error))
+        raise failure(choice)
 
 
-def engine_error(index: int, message: str | None) -> str:
-    return f"The engine failed choice {index}: {message or 'unknown error'}"
+def failure(choice: ChoiceState) -> Exception:
+    """Why a choice ended in an error: the request's fault (a 4xx), or the engine's (a 500)."""
+    if choice.fault is not None:
+        return choice.fault
+    message = choice.error or "unknown error"
+    return EngineFailedError(f"The engine failed choice {choice.index}: {message}")
 
 
 @dataclass
@@ -515,7 +521,7 @@ class OpenAIServer:
 
         async for choice, delta in gen.deltas():
             if delta.finish_reason == "error":
-                yield sse_error(EngineFailedError(engine_error(choice.index, choice.error)))
+                yield sse_error(failure(choice))
                 yield "data: [DONE]\n\n"
                 return
             text, entries = ("", None) if req.scores_only else (delta.text, delta.logprobs)
@@ -710,7 +716,7 @@ class OpenAIServer:
             if not delta.text and delta.finish_reason is None and logprobs is None:
                 continue  # its token ids (if any) go with the choice's next chunk
             if delta.finish_reason == "error":
-                yield sse_error(EngineFailedError(engine_error(choice.index, choice.error)))
+                yield sse_error(failure(choice))
                 yield "data: [DONE]\n\n"
                 return
             content = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.core.errors import RequestError
+
 
 @dataclass
 class TokenLogprob:
@@ -22,6 +24,9 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop string or token id that ended it
     error: str | None = None  # why, when finish_reason is "error"
+    # When the request itself was at fault (a constraint it cannot meet, found while sampling):
+    # the error to answer it with, a 4xx rather than a server error.
+    fault: RequestError | None = None
 
     @property
     def finished(self) -> bool:

@@ -130,3 +130,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    def held_back(self, eos_token_ids: tuple[int, ...] | list[int]) -> list[int]:
+        """The tokens ``min_tokens`` bans until it is reached: the stop token ids, and EOS
+        unless ``ignore_eos``."""
+        return list(self.stop_token_ids) + ([] if self.ignore_eos else list(eos_token_ids))

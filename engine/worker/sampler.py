@@ -19,11 +19,13 @@ from collections import Counter
 from concurrent.futures import Future
 from itertools import chain
 
+import numpy as np
 import torch
 
+from engine.core.errors import RequestError
 from engine.core.outputs import TokenLogprob
 from engine.core.sampling_params import SamplingParams
-from engine.worker.structured import Grammars, apply_bitmask
+from engine.worker.structured import Grammars, allows_any_but, apply_bitmask
 
 # On a CPU, the rows drawn together at most: about this many bytes of logits.
 CPU_CHUNK_BYTES = 2 << 20
@@ -91,16 +93,50 @@ class Sampler:
         the exception sampling raised for that request alone (the others are unaffected).
         ``masks``: from ``start_masks`` for the same requests."""
         logits = logits.float()
+        refused: dict[int, Exception] = {}
         if masks is not None:
-            _apply_masks(logits, [i for i, p in enumerate(params) if p.structured], masks)
-        results = self._sample(logits, request_ids, params, prompt_ids, output_ids)
+            chosen = [i for i, p in enumerate(params) if p.structured]
+            bitmask = masks.result()
+            for row, i in enumerate(chosen):
+                found = self._refused(request_ids[i], params[i], [output_ids[i]], bitmask, row)
+                if found is not None:
+                    refused[i] = found[1]
+            _apply_masks(logits, chosen, bitmask)
+        results = self._sample(logits, request_ids, params, prompt_ids, output_ids, refused)
         for i, p in enumerate(params):
             if p.structured and not isinstance(results[i], Exception):
                 try:
-                    self.grammars.accept(request_ids[i], results[i][0])
+                    self.grammars.accept(request_ids[i], p.structured, results[i][0])
                 except Exception as e:
                     results[i] = e
         return results
+
+    def _refused(
+        self,
+        request_id: str,
+        p: SamplingParams,
+        outputs: list[list[int]],
+        bitmask: np.ndarray,
+        first_row: int,
+    ) -> tuple[int, RequestError] | None:
+        """For a constrained request with a mask row per entry of ``outputs`` (the output each
+        row follows) from ``first_row`` of ``bitmask``: the first of its rows it cannot sample,
+        and why, or None. Row 0 when its constraint has failed; else a row where min_tokens
+        holds back all the constraint allows (it has ended before min_tokens), where any token
+        sampled would be one the constraint refuses."""
+        refused = self.grammars.refusal(request_id, p.structured)
+        if refused is not None:
+            return 0, refused
+        held_back, vocab = p.held_back(self.eos_token_ids), self.grammars.vocab_size
+        for t, output in enumerate(outputs):
+            row = bitmask[first_row + t]
+            if len(output) < p.min_tokens and not allows_any_but(row, held_back, vocab):
+                message = (
+                    f"min_tokens is {p.min_tokens}, but after {len(output)} token(s) the "
+                    f"{p.structured.kind} allows only what min_tokens holds back (its end)."
+                )
+                return t, RequestError(message, param="min_tokens")
+        return None
 
     def verify(
         self,
@@ -130,18 +166,30 @@ class Sampler:
         logits = logits.float()
         counts = [len(d) + 1 for d in drafts]
         starts = [sum(counts[:i]) for i in range(len(counts))]
+        refused: dict[int, tuple[int, RequestError]] = {}  # from the row on that it names
         if masks is not None:
-            rows = [r for i, p in enumerate(params) if p.structured
-                    for r in range(starts[i], starts[i] + counts[i])]  # fmt: skip
-            _apply_masks(logits, rows, masks)
+            chosen = [i for i, p in enumerate(params) if p.structured]
+            bitmask = masks.result()
+            row = 0
+            for i in chosen:
+                outputs = [output_ids[i] + drafts[i][:t] for t in range(counts[i])]
+                found = self._refused(request_ids[i], params[i], outputs, bitmask, row)
+                if found is not None:
+                    refused[i] = found
+                row += counts[i]
+            rows = [r for i in chosen for r in range(starts[i], starts[i] + counts[i])]
+            _apply_masks(logits, rows, bitmask)
         results: list = [None] * len(params)
         for i, (rid, p, d) in enumerate(zip(request_ids, params, drafts)):
             try:
                 rows = logits[starts[i] : starts[i] + counts[i]]
                 results[i] = self._verify_one(rows, rid, p, prompt_ids[i], output_ids[i], d)
+                # A refused row matters only if the drafts before it were accepted.
+                if i in refused and len(results[i]) > refused[i][0]:
+                    raise refused[i][1]
                 if p.structured:
                     for token, _ in results[i]:
-                        self.grammars.accept(rid, token)
+                        self.grammars.accept(rid, p.structured, token)
             except Exception as e:
                 results[i] = e
         return results
@@ -181,7 +229,8 @@ class Sampler:
             records = _records(table.tolist(), tokens, [p.logprobs] * len(tokens))
         return list(zip(tokens, records))
 
-    def _sample(self, logits, request_ids, params, prompt_ids, output_ids) -> list:
+    def _sample(self, logits, request_ids, params, prompt_ids, output_ids, refused) -> list:
+        """``refused``: the exceptions of the rows not to sample, by row."""
         if all(
             p.greedy
             and p.logprobs is None
@@ -191,11 +240,15 @@ class Sampler:
             for p in params
         ):
             if all(p.min_tokens == 0 for p in params):
-                return [(t, None) for t in logits.argmax(dim=-1).tolist()]
+                tokens = logits.argmax(dim=-1).tolist()
+                return [refused.get(i, (t, None)) for i, t in enumerate(tokens)]
         n, vocab = logits.shape
         results: list = [None] * n
         rows, shared, seeded, seeded_draws = [], [], [], []
         for i, p in enumerate(params):
+            if i in refused:
+                results[i] = refused[i]
+                continue
             try:
                 self._check(p, prompt_ids[i], output_ids[i], vocab)
                 if not p.greedy and not p.forced:
@@ -249,11 +302,7 @@ class Sampler:
         if p.logit_bias:
             _check_ids([t for t, _ in p.logit_bias], vocab, "logit_bias")
         if len(output) < p.min_tokens:
-            _check_ids(self._banned(p), vocab, "stop_token_ids")
-
-    def _banned(self, p: SamplingParams) -> list[int]:
-        """The tokens ``min_tokens`` holds back."""
-        return list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+            _check_ids(p.held_back(self.eos_token_ids), vocab, "stop_token_ids")
 
     def _sample_rows(
         self,
@@ -324,7 +373,7 @@ class Sampler:
             (j, t)
             for j, p in enumerate(params)
             if len(outputs[j]) < p.min_tokens
-            for t in self._banned(p)
+            for t in p.held_back(self.eos_token_ids)
         ]
         x = _take(logits, _subset(rows, logits.shape[0], device))
         if not (bias or repeat or counted or banned):
@@ -441,10 +490,10 @@ class Sampler:
         return probs, nucleus
 
 
-def _apply_masks(logits: torch.Tensor, rows: list[int], masks: Future) -> None:
+def _apply_masks(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> None:
     """The grammar masks (one per row of ``rows``, in order) applied to those rows, in place."""
     constrained = logits[rows]
-    apply_bitmask(constrained, masks.result())
+    apply_bitmask(constrained, bitmask)
     logits[rows] = constrained
 
 

@@ -8,6 +8,10 @@ the step's forward pass runs. Requests without a constraint never touch this mod
 A constraint is compiled once, at admission, in a compile thread and under a time limit (a
 schema can take seconds); the engine thread copies that compiled matcher for each request
 rather than compiling it again, which would stall every stream for as long.
+
+What a constraint cannot do is found as early as it can be: at admission, what fails to compile
+or fails in the steps every output takes (``Compiled.length``); while sampling, a matcher that
+fails or a mask that ``min_tokens`` empties ends that request alone with a RequestError.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import numpy as np
 import torch
 
 from engine.core.errors import RequestError
-from engine.core.sampling_params import Constraint
+from engine.core.sampling_params import Constraint, SamplingParams
+from engine.worker.finite_instance import has_finite_instance
 
 # Our constraint kinds as llguidance's grammar formats.
 FORMATS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
@@ -42,6 +47,13 @@ CACHE_TEXT_BYTES = 8 << 20
 # Threads that compile constraints for admission: llguidance drops the GIL while it compiles, so
 # this many cores at most go to compiling, however many slow schemas arrive at once.
 COMPILE_THREADS = 2
+# Steps of a constraint's forced start that admission walks (see ``_forced_start``): each costs
+# a mask, mostly well under a millisecond.
+FORCED_STEPS = 16
+NO_FINITE_INSTANCE = (
+    "no instance of the schema is finite: each must contain another (a $ref to itself that "
+    "is required, or nothing but that $ref)."
+)
 
 
 @dataclass(frozen=True)
@@ -51,6 +63,9 @@ class Compiled:
     matcher: llguidance.LLMatcher | None
     error: str
     seconds: float  # how long it took, so a cached slow one is refused like a fresh one
+    # Every output is this many tokens and then its end, when the constraint forces them all
+    # from the start; None when it branches first (or later than FORCED_STEPS).
+    length: int | None = None
 
 
 class Grammars:
@@ -64,6 +79,8 @@ class Grammars:
         # Requests whose constraint is complete and ended by a stop token; with ignore_eos they
         # go on generating, unconstrained.
         self.ended: set[str] = set()
+        # Requests whose constraint failed on the engine thread, and why (``refusal``).
+        self.refused: dict[str, RequestError] = {}
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="kvserve-grammar")
         # Admission (HTTP worker threads) and the engine thread share these.
         self._lock = threading.Lock()
@@ -82,9 +99,23 @@ class Grammars:
     def executor(self) -> llguidance.LLExecutor:
         return llguidance.LLExecutor(num_threads=1)
 
-    def grammar(self, constraint: Constraint, limit_s: float | None = None) -> llguidance.LLMatcher:
-        """``constraint`` compiled (a matcher in its start state, not to be advanced); raises
-        RequestError with llguidance's message if it is invalid, or with code
+    def admit(self, params: SamplingParams, limit_s: float | None = None) -> Compiled:
+        """``params.structured`` compiled (``grammar``), refused also when it ends every output
+        before ``params.min_tokens``: min_tokens would then ban all the constraint allows."""
+        done = self.grammar(params.structured, limit_s)
+        ends_early = done.length is not None and params.min_tokens > done.length
+        # Ended, a constraint allows only EOS, which min_tokens holds back unless ignore_eos.
+        if ends_early and set(params.held_back(self.eos_token_ids)) >= set(self.eos_token_ids):
+            message = (
+                f"min_tokens is {params.min_tokens}, but every output the "
+                f"{params.structured.kind} allows ends after {done.length} tokens."
+            )
+            raise RequestError(message, param="min_tokens")
+        return done
+
+    def grammar(self, constraint: Constraint, limit_s: float | None = None) -> Compiled:
+        """``constraint`` compiled (its ``matcher`` in its start state, not to be advanced);
+        raises RequestError with llguidance's message if it is invalid, or with code
         ``grammar_too_complex`` if compiling it takes over ``limit_s`` seconds. Blocks the
         calling thread meanwhile, not the GIL."""
         key = (constraint.kind, constraint.value)
@@ -110,7 +141,7 @@ class Grammars:
             raise self._too_complex(constraint, limit_s)
         if done.matcher is None:
             raise RequestError(f"Invalid {constraint.kind}: {done.error}", param=constraint.param)
-        return done.matcher
+        return done
 
     @staticmethod
     def _too_complex(constraint: Constraint, limit_s: float | None) -> RequestError:
@@ -132,13 +163,16 @@ class Grammars:
         kind, value = key
         try:
             grammar = llguidance.grammar_from(FORMATS[kind], value)
+            if kind == "json" and not has_finite_instance(value):
+                raise ValueError(NO_FINITE_INSTANCE)
         except ValueError as e:
             done = Compiled(None, str(e), time.perf_counter() - start)
         else:
             # Drops the GIL while it compiles; errors leave it in an error state.
             m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-            error = m.get_error() if m.is_error() else ""
-            done = Compiled(None if error else m, error, time.perf_counter() - start)
+            error, length = (m.get_error(), None) if m.is_error() else self._forced_start(m)
+            seconds = time.perf_counter() - start
+            done = Compiled(None if error else m, _headline(error), seconds, length)
         with self._lock:
             self._pending.pop(key, None)
             if key not in self._cache:
@@ -150,6 +184,32 @@ class Grammars:
                 (_, old_value), _ = self._cache.popitem(last=False)
                 self._cache_bytes -= len(old_value)
         return done
+
+    def _forced_start(self, m: llguidance.LLMatcher) -> tuple[str, int | None]:
+        """Walks a copy of ``m`` through the tokens its constraint forces from the start (a
+        step's mask, then the one token it allows), for FORCED_STEPS at most: every request
+        takes these steps, so what fails in them fails the constraint. llguidance builds its
+        lexer as masks need it, so a pattern too large for the lexer compiles and fails only
+        here. Returns llguidance's error (or ""), and ``Compiled.length``."""
+        probe = m.deep_copy()
+        bitmask = llguidance.numpy.allocate_token_bitmask(1, self.vocab_size)
+        for steps in range(FORCED_STEPS + 1):
+            llguidance.numpy.fill_next_token_bitmask(probe, bitmask, 0)
+            if probe.is_error():
+                error = _headline(probe.get_error())
+                if steps == 0 and error in ("NoExtension", "NoExtensionBias"):  # stop reasons
+                    return f"no text matches it (llguidance: {error}).", None
+                return error, None
+            allowed = allowed_tokens(bitmask[0], self.vocab_size)
+            if not allowed:
+                return "it allows no token at all", None
+            if set(allowed) <= set(self.eos_token_ids):
+                return "", steps
+            if len(allowed) > 1:
+                return "", None
+            if not probe.consume_token(allowed[0]):
+                return probe.get_error(), None
+        return "", None
 
     def matcher(self, request_id: str, constraint: Constraint) -> llguidance.LLMatcher:
         m = self.matchers.get(request_id)
@@ -166,9 +226,25 @@ class Grammars:
             self.matchers[request_id] = m
         return m
 
+    def refusal(self, request_id: str, constraint: Constraint) -> RequestError | None:
+        """Why the request's constraint cannot go on, or None: its matcher failed to start or
+        failed since (at its last mask or token)."""
+        refused = self.refused.get(request_id)
+        m = self.matchers.get(request_id)
+        if refused is None and m is not None and m.is_error():
+            message = f"The {constraint.kind} cannot go on: {_headline(m.get_error())}"
+            refused = self.refused[request_id] = RequestError(message, param=constraint.param)
+            # The copies of one compilation share its lexer, and a lexer past its limits fails
+            # them all: the next request compiles the constraint afresh.
+            with self._lock:
+                if self._cache.pop((constraint.kind, constraint.value), None) is not None:
+                    self._cache_bytes -= len(constraint.value)
+        return refused
+
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.matchers.pop(rid, None)
+            self.refused.pop(rid, None)
             self.ended.discard(rid)
 
     def fill_async(
@@ -181,8 +257,11 @@ class Grammars:
         drafts = drafts or [[] for _ in requests]
         rows, n = [], 0
         for (rid, c), d in zip(requests, drafts):
-            if rid not in self.ended:
-                rows.append((self.matcher(rid, c), n, d))
+            if rid not in self.ended and rid not in self.refused:
+                try:
+                    rows.append((self.matcher(rid, c), n, d))
+                except RequestError as e:  # this request's alone: ``refusal`` says it
+                    self.refused[rid] = e
             n += len(d) + 1
         return self.worker.submit(self._fill, rows, n)
 
@@ -198,15 +277,35 @@ class Grammars:
             llguidance.numpy.fill_next_token_bitmask_par(self.executor, plain, bitmask)
         return bitmask
 
-    def accept(self, request_id: str, token_id: int) -> None:
+    def accept(self, request_id: str, constraint: Constraint, token_id: int) -> None:
         """Advances the request's matcher by its sampled token."""
         if request_id in self.ended:
             return
         m = self.matchers[request_id]
         if not m.consume_token(token_id):
-            raise RuntimeError(f"the constraint cannot continue: {m.get_error()}")
+            raise self.refusal(request_id, constraint) or RuntimeError(
+                f"the constraint refused token {token_id}: {_headline(m.get_error())}"
+            )
         if token_id in self.eos_token_ids:
             self.ended.add(request_id)
+
+
+def allowed_tokens(row: np.ndarray, vocab_size: int) -> list[int]:
+    """The token ids a mask row (int32 words, bit set = allowed) allows."""
+    bits = np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab_size]
+    return np.flatnonzero(bits).tolist()
+
+
+def allows_any_but(row: np.ndarray, banned: list[int], vocab_size: int) -> bool:
+    """Whether a mask row allows some token outside ``banned``."""
+    bits = np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab_size]
+    bits[[t for t in banned if 0 <= t < vocab_size]] = 0
+    return bool(bits.any())
+
+
+def _headline(error: str) -> str:
+    """llguidance's error without the parser state it appends."""
+    return error.split("\n<state>", 1)[0].strip()
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: np.ndarray) -> None:
