@@ -72,6 +72,7 @@ class LLMEngine:
         has_tokenizer = (path / "tokenizer.json").exists()
         self.tokenizer = Tokenizer.from_dir(path) if has_tokenizer else None
         self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
+        args.default_overflow().check_limit(self.max_model_len)  # before any worker starts
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
         eos = tuple(dict.fromkeys(tokenizer_eos + self.model_config.eos_token_ids))
         vocab = self.model_config.vocab_size
@@ -220,6 +221,8 @@ class LLMEngine:
         Reads nothing the engine thread changes (the model, the settings, the pools' sizes), so
         the HTTP thread may call it while the engine thread steps."""
         self._check_request(prompt_token_ids, params)
+        if params.overflow is not None:
+            params.overflow.check_limit(self.max_model_len)
         policy = self.context_policy(params)
         if policy.name in SCORED_POLICIES and not self.runner.config.kv_scores:
             raise RequestError(

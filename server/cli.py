@@ -122,9 +122,9 @@ def log_startup(engine: AsyncEngine, served_model_name: str) -> None:
 
 def check_model(args: EngineArgs) -> None:
     """Resolve and read the model before any engine starts, so a wrong ``--model`` (a GGUF file,
-    a folder without config.json, an unknown architecture) or a KV dtype its cache rows cannot
-    take is one line, not a traceback from deep in the engine (or from every tensor-parallel
-    rank)."""
+    a folder without config.json, an unknown architecture), a KV dtype its cache rows cannot
+    take or a --context-n-discard its context cannot hold is one line, not a traceback from deep
+    in the engine (or from every tensor-parallel rank)."""
     from models.config import ModelConfig
     from models.fetch import resolve_model
     from models.loader import model_class
@@ -133,6 +133,7 @@ def check_model(args: EngineArgs) -> None:
         cfg = ModelConfig.from_dir(resolve_model(args.model))
         kv_dtype = args.runner_config(cfg).kv_dtype
         sum(g.bytes_per_token for g in model_class(cfg).kv_cache_groups(cfg, kv_dtype))
+        args.default_overflow().check_limit(args.max_model_len or cfg.max_position_embeddings)
     except (ValueError, OSError, RuntimeError) as e:
         fail("serve", e)
 

@@ -48,6 +48,17 @@ DEFAULT_KEEP = 4
 # Recent tokens eviction always keeps; SnapKV's observation window (kvpress's default size).
 DEFAULT_WINDOW = 64
 SELECTIONS = ("head", "layer")  # an importance policy chooses per KV head, or once per layer
+SETTINGS = ("n_keep", "n_discard", "kv_budget", "window", "selection")
+# The settings each policy reads. Any other one a request sets is refused by name: it would
+# change nothing, and the client would believe it had.
+POLICY_FIELDS: dict[str, tuple[str, ...]] = {
+    "error": (),
+    "stop": (),
+    "truncate": ("n_keep",),
+    "shift": ("n_keep", "n_discard"),
+    "sink": ("n_keep", "n_discard"),
+    **dict.fromkeys(IMPORTANCE_POLICIES, SETTINGS),
+}
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -63,7 +74,8 @@ class ContextOverflow:
     follows the kept ones) and ``sink`` (default: one block), and by an importance policy when
     the context fills (default: half). ``kv_budget``: most tokens an importance policy lets the
     sequence cache (None or 0: no budget). ``window``: recent tokens it always keeps.
-    ``selection``: whether it chooses per KV head or once per layer. None: the default.
+    ``selection``: whether it chooses per KV head or once per layer. None: the default. A
+    setting the policy does not read (``POLICY_FIELDS``) is refused by name.
     """
 
     policy: str = DEFAULT_POLICY
@@ -92,18 +104,31 @@ class ContextOverflow:
                 f"got {self.selection!r}.",
                 param="overflow.selection",
             )
-        importance = self.policy in IMPORTANCE_POLICIES
-        if self.kv_budget and not importance:
-            raise RequestError(
-                f"overflow.kv_budget needs an importance policy ({', '.join(IMPORTANCE_POLICIES)}"
-                f"); got {self.policy!r}.",
-                param="overflow.kv_budget",
-            )
+        reads = POLICY_FIELDS[self.policy]
+        for name in SETTINGS:
+            if getattr(self, name) is not None and name not in reads:
+                takers = [p for p, fields in POLICY_FIELDS.items() if name in fields]
+                raise RequestError(
+                    f"overflow.{name} does not apply to policy {self.policy!r} (it reads "
+                    f"{', '.join(reads) or 'no other setting'}); {name} is read by "
+                    f"{', '.join(takers)}.",
+                    param=f"overflow.{name}",
+                )
         if self.kv_budget is not None and (self.kv_budget < 0 or 0 < self.kv_budget <= self.sinks):
             raise RequestError(
                 f"overflow.kv_budget must be 0 (none) or more than the {self.sinks} tokens kept "
                 "at the start (n_keep).",
                 param="overflow.kv_budget",
+            )
+
+    def check_limit(self, limit: int) -> None:
+        """Refuses an ``n_discard`` that no overflow can carry out: a context of ``limit``
+        tokens never holds that many to drop, and the policies would quietly discard less."""
+        if self.n_discard is not None and self.n_discard >= limit:
+            raise RequestError(
+                f"overflow.n_discard must be less than the context length ({limit} tokens); "
+                f"got {self.n_discard}.",
+                param="overflow.n_discard",
             )
 
     @property

@@ -241,9 +241,19 @@ def test_requests_choose_policies_and_bad_ones_get_400(tiny_llama):
     out = llm.generate([random_prompt(50, VOCAB)], greedy(4, policy="knorm", kv_budget=16))
     assert len(out[0].outputs[0].token_ids) == 4
     for bad in (dict(policy="shift", kv_budget=10), dict(policy="snapkv", kv_budget=3),
-                dict(policy="h2o", selection="token"), dict(policy="h2o", window=-1)):  # fmt: skip
+                dict(policy="h2o", selection="token"), dict(policy="h2o", window=-1),
+                dict(policy="sink", window=8)):  # fmt: skip
         with pytest.raises(RequestError):
             ContextOverflow(**bad)
+    for policy in ("shift", "knorm"):  # a discard longer than the context (256) cannot happen
+        with pytest.raises(RequestError) as e:
+            llm.generate([random_prompt(10, VOCAB)], greedy(4, policy=policy, n_discard=10**9))
+        assert e.value.param == "overflow.n_discard"
+
+
+def test_a_server_n_discard_longer_than_the_context_is_refused_at_start(tiny_llama):
+    with pytest.raises(RequestError, match="n_discard"):
+        make(tiny_llama, context_overflow="shift", context_n_discard=256)
 
 
 def test_the_server_budget_applies_to_requests_without_their_own(tiny_llama):

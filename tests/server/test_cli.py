@@ -120,3 +120,16 @@ def test_a_kv_dtype_the_models_heads_cannot_take_is_one_line(tiny_llama_dir, cap
         assert line == (
             f"kvserve {command[0]}: an int4 KV cache needs head sizes that are multiples of 32: 16"
         )
+
+
+def test_overflow_flags_their_policy_ignores_or_the_context_cannot_hold_are_one_line(
+    tiny_llama_dir, capsys
+):
+    serve = ["serve", "--model", str(tiny_llama_dir), "--max-model-len", "64"]
+    line = fails([*serve, "--context-overflow", "truncate", "--context-n-discard", "8"], capsys)
+    assert line.startswith("kvserve serve: overflow.n_discard does not apply to policy")
+    line = fails([*serve, "--context-overflow", "shift", "--context-n-discard", "64"], capsys)
+    assert line == (
+        "kvserve serve: overflow.n_discard must be less than the context length (64 tokens); "
+        "got 64."
+    )

@@ -132,6 +132,24 @@ def test_a_request_chooses_its_context_policy(served):
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("overflow")
 
 
+@pytest.mark.parametrize(
+    ("overflow", "param"),
+    [
+        ({"policy": "sink", "window": 16}, "overflow.window"),  # a setting sink does not read
+        ({"policy": "shift", "kv_budget": 64}, "overflow.kv_budget"),
+        ({"policy": "truncate", "n_discard": 16}, "overflow.n_discard"),
+        ({"policy": "shift", "n_discard": 10**12}, "overflow.n_discard"),  # over the context
+        ({"policy": "shift", "n_discard": MAX_MODEL_LEN}, "overflow.n_discard"),
+    ],
+)
+def test_an_overflow_setting_that_cannot_apply_is_refused_by_name(served, overflow, param):
+    _, url = served
+    r = post(url, completion("Hello", overflow=overflow))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"].startswith(param)
+
+
 def test_overflow_field_is_in_the_openapi_schema(served):
     _, url = served
     schema = httpx.get(f"{url}/openapi.json").json()["components"]["schemas"]

@@ -15,6 +15,7 @@ import pytest
 
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.context_overflow import (
+    CONTEXT_POLICIES,
     ContextOverflow,
     ContextState,
     Drop,
@@ -127,6 +128,49 @@ def test_request_overflow_choices_are_validated():
     with pytest.raises(RequestError):
         ContextOverflow("shift", n_discard=0)
     assert context_policy(ContextOverflow("sink", n_keep=2)) == SinkPolicy(2, None)
+
+
+# A valid value for each setting, and the policies that read it: what each policy's object
+# (context_policy) is built from, written out apart from the table the validator reads.
+VALID = {"n_keep": 8, "n_discard": 16, "kv_budget": 32, "window": 8, "selection": "layer"}
+READ_BY = {
+    "n_keep": {"truncate", "shift", "sink", "snapkv", "h2o", "knorm"},
+    "n_discard": {"shift", "sink", "snapkv", "h2o", "knorm"},
+    "kv_budget": {"snapkv", "h2o", "knorm"},
+    "window": {"snapkv", "h2o", "knorm"},
+    "selection": {"snapkv", "h2o", "knorm"},
+}
+
+
+@pytest.mark.parametrize("policy", CONTEXT_POLICIES)
+@pytest.mark.parametrize("name", sorted(VALID))
+def test_a_setting_its_policy_does_not_read_is_refused_by_name(policy, name):
+    if policy in READ_BY[name]:
+        ContextOverflow(policy, **{name: VALID[name]})
+        return
+    with pytest.raises(RequestError, match=f"overflow.{name} does not apply") as e:
+        ContextOverflow(policy, **{name: VALID[name]})
+    assert e.value.param == f"overflow.{name}" and repr(policy) in e.value.message
+
+
+def test_a_setting_is_read_when_its_policy_reads_it():
+    # The values reach the policy objects, so the table above names what is really read.
+    assert context_policy(ContextOverflow("truncate", n_keep=8)) == TruncatePolicy(8)
+    assert context_policy(ContextOverflow("sink", n_keep=8, n_discard=16)) == SinkPolicy(8, 16)
+    snap = context_policy(ContextOverflow("knorm", 8, 16, 32, 8, "layer"))
+    assert (snap.sinks, snap.n_discard, snap.budget, snap.window, snap.per_head) == (
+        8, 16, 32, 8, False,
+    )  # fmt: skip
+
+
+def test_an_n_discard_the_context_cannot_hold_is_refused_by_name():
+    for policy in ("shift", "sink", "snapkv"):
+        ContextOverflow(policy, n_discard=63).check_limit(64)
+        for huge in (64, 10**30):
+            with pytest.raises(RequestError, match="less than the context length") as e:
+                ContextOverflow(policy, n_discard=huge).check_limit(64)
+            assert e.value.param == "overflow.n_discard"
+    ContextOverflow("shift").check_limit(64)  # the default discard fits any context
 
 
 def test_preemption_picks_lowest_priority_then_latest_arrival():
