@@ -774,6 +774,15 @@ class OpenAIServer:
             stored = self.response_store.get(req.previous_response_id, "previous_response_id")
             history = list(stored.conversation)
         turn = ResponseTurn(req, self.served_model_name, history)
+        if req.store:  # known from now on, so that a DELETE before it ends finds it
+            self.response_store.reserve(turn.id)
+        try:
+            return await self.answer_response(turn, request)
+        except BaseException:
+            self.response_store.finish(turn.id, None)  # ended before there was one to store
+            raise
+
+    async def answer_response(self, turn: ResponseTurn, request: Request) -> Response:
         try:
             gen, prompt, tool_plan = await self.start_chat(turn.chat, turn.id)
         except RequestError as e:  # named by the chat request's fields: say this API's
@@ -781,7 +790,7 @@ class OpenAIServer:
                 e.message = e.message.replace(e.param, PARAM_NAMES[e.param])
                 e.param = PARAM_NAMES[e.param]
             raise
-        if req.stream:
+        if turn.req.stream:  # the stream ends the reservation, whichever way it ends
             return sse_response(self.response_events(turn, gen, prompt, tool_plan))
         (choice,) = await self.collect(gen, request)
         return json_response(self.finish_response(turn, gen, prompt, choice, tool_plan))
@@ -801,7 +810,7 @@ class OpenAIServer:
         )
         if turn.req.store:
             stored = StoredResponse.of(body.model_dump_json(), turn.conversation(answer))
-            self.response_store.put(turn.id, stored)
+            self.response_store.finish(turn.id, stored)
         return body
 
     async def response_events(
@@ -833,6 +842,8 @@ class OpenAIServer:
             if not isinstance(exc, RequestError):
                 log.error("response stream failed", exc_info=exc)
             yield events.error(exc)
+        finally:  # ended early (a failure, a disconnect): nothing to store
+            self.response_store.finish(turn.id, None)
 
     # -- tokenizer endpoints --
 

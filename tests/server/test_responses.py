@@ -302,24 +302,68 @@ def test_a_failure_after_the_stream_began_is_its_last_event():
     assert "a step failed" in events[-1]["message"]
 
 
-def test_the_store_evicts_the_least_recently_used_by_count_and_bytes():
-    from server.response_store import ResponseNotFoundError, ResponseStore, StoredResponse
+class SlowEngine(StubEngine):
+    """Answers "Paris" once ``release`` is set, so a response stays in flight until then."""
 
-    def entry(size: int) -> StoredResponse:
-        return StoredResponse.of("x" * size, [])
+    def __init__(self):
+        super().__init__(RuntimeError("unused"))
+        self.release = None  # an asyncio.Event, made on the test's loop
+        self.started = None
 
-    store = ResponseStore(max_entries=2, max_bytes=100)
-    store.put("a", entry(10))
-    store.put("b", entry(10))
-    store.get("a")  # now b is the least recently used
-    store.put("c", entry(10))
-    assert [k for k in "abc" if k in store._entries] == ["a", "c"] and store.bytes == 20
-    store.put("d", entry(95))  # over the bytes: a and c go
-    assert list(store._entries) == ["d"] and store.bytes == 95
-    store.put("e", entry(101))  # larger than the store: not kept
-    with pytest.raises(ResponseNotFoundError):
-        store.get("e")
-    assert store.delete("d") and not store.delete("d") and store.bytes == 0
+    def submit(self, requests):
+        from engine.core.outputs import CompletionOutput, RequestOutput
+
+        self.submitted += requests
+
+        async def stream(rid: str):
+            self.started.set()
+            await self.release.wait()
+            done = CompletionOutput(0, "Paris", [7], finish_reason="stop")
+            yield RequestOutput(rid, [1, 2, 3], [done], finished=True)
+
+        return [stream(r.request_id) for r in requests]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_response_deleted_in_flight_is_deleted_and_never_stored(stream):
+    import asyncio
+
+    from server.app import build_app
+
+    engine = SlowEngine()
+    transport = httpx.ASGITransport(app=build_app(engine))
+
+    async def run() -> None:
+        engine.release, engine.started = asyncio.Event(), asyncio.Event()
+        async with httpx.AsyncClient(transport=transport, base_url="http://stub") as c:
+            body = {"input": "Hi", "stream": stream}
+            posted = asyncio.create_task(c.post("/v1/responses", json=body))
+            await asyncio.wait_for(engine.started.wait(), 5)
+            (request,) = engine.submitted
+            rid = request.request_id.rsplit("-", 1)[0]  # the engine's id is the response's + "-0"
+            deleted = await c.delete(f"/v1/responses/{rid}")
+            assert deleted.status_code == 200, deleted.text
+            assert deleted.json() == {"id": rid, "object": "response", "deleted": True}
+            engine.release.set()
+            r = await posted
+            assert r.status_code == 200 and rid in r.text  # the client still gets its answer
+            assert (await c.get(f"/v1/responses/{rid}")).status_code == 404
+            assert (await c.delete(f"/v1/responses/{rid}")).status_code == 404
+
+            # Not deleted: stored when it ends.
+            engine.release.clear()
+            engine.started.clear()
+            posted = asyncio.create_task(c.post("/v1/responses", json=body))
+            await asyncio.wait_for(engine.started.wait(), 5)
+            rid = engine.submitted[-1].request_id.rsplit("-", 1)[0]
+            assert (await c.get(f"/v1/responses/{rid}")).status_code == 404  # nothing yet
+            engine.release.set()
+            assert (await posted).status_code == 200
+            got = await c.get(f"/v1/responses/{rid}")
+            assert got.status_code == 200, got.text
+            assert got.json()["output"][0]["content"][0]["text"] == "Paris"
+
+    asyncio.run(run())
 
 
 def test_function_calls_and_their_outputs_become_one_assistant_turn_and_tool_messages():
