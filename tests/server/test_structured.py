@@ -1,5 +1,6 @@
 """Structured outputs through the HTTP API with the real SmolLM2: every constrained answer
-parses and validates (jsonschema is the oracle), streamed or not, greedy or sampled."""
+parses and validates (jsonschema is the oracle), streamed or not, greedy or sampled; a
+constraint that cannot be met is a 400 naming its field, and fails no other request."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import jsonschema
 import pytest
 
@@ -242,3 +244,92 @@ def test_ignore_eos_goes_on_unconstrained_after_the_constraint_ends(client):
     choice = r.choices[0]
     assert choice.finish_reason == "length" and r.usage.completion_tokens == 12
     assert choice.text.startswith(("yes", "no"))
+
+
+# ---- constraints that cannot be met: 400 naming the field, never a 500 ----
+
+SAY = [{"role": "user", "content": "Say something."}]
+UNMEETABLE = {
+    # Every output is '"a"' (3 tokens): refused at admission.
+    "enum ends before min_tokens": (
+        "/v1/completions",
+        {"prompt": "x", "json_schema": {"enum": ["a"]}, "max_tokens": 4, "min_tokens": 4},
+        "min_tokens",
+    ),
+    # The choice branches, so sampling finds it: after "yes" or "no" only EOS is allowed.
+    "choice ends before min_tokens": (
+        "/v1/completions",
+        {"prompt": "x", "structured_outputs": {"choice": ["yes", "no"]}, "max_tokens": 6,
+         "min_tokens": 6},
+        "min_tokens",
+    ),
+    "pattern past the lexer's limits": (
+        "/v1/chat/completions",
+        {"messages": SAY, "max_tokens": 4, "response_format": {"type": "json_schema",
+         "json_schema": {"name": "p", "schema": {"type": "string", "pattern": "^a{1000000}$"}}}},
+        "response_format",
+    ),
+    "regex past the lexer's limits": (
+        "/v1/completions",
+        {"prompt": "x", "max_tokens": 4, "structured_outputs": {"regex": "((ab){1000}c){1000}"}},
+        "structured_outputs",
+    ),
+    "schema that is only its own ref": (
+        "/v1/completions",
+        {"prompt": "x", "max_tokens": 4,
+         "json_schema": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
+        "json_schema",
+    ),
+    "object that requires itself": (
+        "/v1/chat/completions",
+        {"messages": SAY, "max_tokens": 4, "response_format": {"type": "json_schema",
+         "json_schema": {"name": "r", "schema": {"type": "object",
+                         "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}},
+        "response_format",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(UNMEETABLE))
+def test_a_constraint_that_cannot_be_met_is_a_400_naming_its_field(served, name):
+    _, url = served
+    path, body, param = UNMEETABLE[name]
+    r = httpx.post(url + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+
+def test_a_stream_whose_constraint_ends_before_min_tokens_ends_in_a_400_event(served):
+    _, url = served
+    _, body, _ = UNMEETABLE["choice ends before min_tokens"]
+    with httpx.stream("POST", url + "/v1/completions", json=body | {"stream": True}) as r:
+        assert r.status_code == 200
+        lines = [line.removeprefix("data: ") for line in r.iter_lines() if line]
+    assert lines[-1] == "[DONE]"
+    error = json.loads(lines[-2])["error"]
+    assert error["param"] == "min_tokens" and error["type"] == "invalid_request_error", error
+
+
+def test_min_tokens_a_constraint_can_meet_is_served(client):
+    r = client.completions.create(
+        model=SERVED_NAME, prompt="x", max_tokens=8, temperature=0,
+        extra_body={"json_schema": {"enum": ["a"]}, "min_tokens": 3},
+    )  # fmt: skip
+    assert r.choices[0].finish_reason == "stop" and json.loads(r.choices[0].text) == "a"
+
+
+def test_requests_failing_their_constraint_leave_their_batch_alone(served, client):
+    """Side by side with requests that fail mid-generation, a free request's answer is the one
+    it gets alone."""
+    _, url = served
+    free = dict(model=SERVED_NAME, prompt="The history of Rome", max_tokens=12, temperature=0,
+                extra_body={"ignore_eos": True})  # fmt: skip
+    alone = client.completions.create(**free).choices[0].text
+    _, failing, _ = UNMEETABLE["choice ends before min_tokens"]
+    with ThreadPoolExecutor(4) as pool:
+        frees = [pool.submit(client.completions.create, **free) for _ in range(2)]
+        fails = [pool.submit(httpx.post, url + "/v1/completions", json=failing, timeout=60)
+                 for _ in range(2)]  # fmt: skip
+        assert [f.result().choices[0].text for f in frees] == [alone] * 2
+        assert [f.result().status_code for f in fails] == [400, 400]
