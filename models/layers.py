@@ -47,7 +47,11 @@ class PackedLinear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32; ``offset=1`` for models that store the weight as w - 1."""
+    """RMSNorm computed in fp32; ``offset=1`` for models that store the weight as w - 1.
+
+    In half precision the weight multiplies as each architecture's reference does, so that
+    greedy choices agree with it where its logits are close: Llama's (offset 0) rounds the
+    normalized row to the model's dtype first, Gemma's (offset 1) multiplies in fp32."""
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
@@ -58,6 +62,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset == 0:
+            return self.weight.to(x.dtype) * xf.to(x.dtype)
         return (xf * (self.weight.float() + self.offset)).to(x.dtype)
 
 

@@ -172,6 +172,20 @@ def generate_with_logits(llm: LLM, prompts: list[list[int]], monkeypatch, max_to
     return [(o.outputs[0].token_ids, torch.stack(seen[o.request_id])) for o in outs]
 
 
+def assert_greedy_as(tokens: list[int], ref: torch.Tensor, tol: float) -> None:
+    """``tokens`` are the greedy choices of the reference logits ``ref`` [len(tokens), V] (the
+    oracle run teacher-forced on ``tokens``), up to ties within ``tol``: half-precision logits
+    of two correct computations round differently, and bfloat16 ones tie exactly now and then."""
+    import torch
+
+    ref = ref.float().cpu()
+    chosen = ref.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    best = ref.max(-1).values
+    assert (chosen >= best - tol).all(), (tokens, ref.argmax(-1).tolist())
+    clear = ref.topk(2).values.diff(dim=-1)[:, 0].abs() > tol
+    assert torch.equal(torch.tensor(tokens)[clear], ref.argmax(-1)[clear])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

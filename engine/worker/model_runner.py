@@ -36,24 +36,41 @@ PromptLogprobs = dict[str, tuple[int, list[TokenLogprob]]]
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def model_kernels_off(config: RunnerConfig, tp: TPRank = NO_TP) -> str | None:
+    """Why kernels.cpu does not run the model's layers (its linear layers and whole decoder
+    layers) here, or None when it may: the one place that decides it. Its kernels take float32
+    activations only, and its fused layers would skip a tensor-parallel model's all-reduces;
+    the attention kernels serve either way."""
+    if not config.cpu_kernels:
+        return "off"
+    if tp.size > 1:
+        return "off (tensor parallel)"
+    if config.torch_device.type != "cpu":
+        return f"not on CPU ({config.device})"
+    if config.dtype != "float32":
+        return f"off for {config.dtype} (float32 only)"
+    why = cpu.load()
+    return None if why is None else f"unavailable, {why}"
+
+
 class ModelRunner:
     def __init__(self, config: RunnerConfig, tp: TPRank = NO_TP, grammars: Grammars | None = None):
         """``tp``: this rank's share of a tensor-parallel model (its heads, its KV cache)."""
         self.config = config
         self.device = config.torch_device
         self.dtype = TORCH_DTYPES[config.dtype]
-        # The C++ layers would skip a tensor-parallel model's all-reduces: kernels.cpu runs
-        # attention only there.
-        model_kernels = config.cpu_kernels and tp.size == 1
+        # Decided here once; the backend and the start-up log both take this answer.
+        not_model_kernels = model_kernels_off(config, tp)
         self.backend: AttentionBackend = get_backend(
-            config.attention_backend, self.device, model_kernels
+            config.attention_backend, self.device, not_model_kernels is None
         )
         self.tp = tp
         model_config = shard_config(config.model_config, tp)
         self.model: CausalLM = load_model(
             model_config, self.dtype, self.device, tp, config.quantization
         )
-        self.cpu_kernels = self._cpu_kernels(self.backend.prepare(self.model))
+        swapped = self.backend.prepare(self.model)
+        self.cpu_kernels = not_model_kernels or self._cpu_kernels(swapped)
         self.groups: list[KVCacheGroup] = [
             replace(g, scored=config.kv_scores and not g.spec.window)
             for g in self.model.kv_cache_groups(model_config, config.kv_dtype)
@@ -78,19 +95,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
 
     def _cpu_kernels(self, swapped: int) -> str:
-        """Whether the model runs on kernels.cpu (``swapped`` linear layers by ``prepare``),
-        or why not: for the start-up log."""
-        if not self.config.cpu_kernels:
-            return "off"
-        if self.tp.size > 1:
-            return "off (tensor parallel)"
-        if self.device.type != "cpu":
-            return f"not on CPU ({self.device})"
-        if self.dtype != torch.float32:
-            return f"not for {self.dtype}"
-        why = cpu.load()
-        if why is not None:
-            return f"unavailable, {why}"
+        """For the start-up log, where ``model_kernels_off`` lets kernels.cpu run the model:
+        whether it does (``swapped`` linear layers by ``prepare``)."""
         if not swapped:
             return f"off (the {self.backend.name} attention backend)"
         return f"on ({swapped} linear layers)"

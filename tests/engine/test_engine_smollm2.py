@@ -7,6 +7,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
+from tests.helpers import assert_greedy_as
 
 pytestmark = pytest.mark.slow
 
@@ -80,6 +81,28 @@ def _assert_equal_transformers(llm, hf_model):
         ours = [lp.logprob for lp in out.outputs[0].logprobs]
         assert max(abs(a - b) for a, b in zip(ours, ref_logprobs)) < 1e-3
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_total_blocks
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_serves_greedy_as_transformers_at_that_dtype(smollm2_dir, dtype):
+    transformers = pytest.importorskip("transformers")
+    llm = LLM(str(smollm2_dir), dtype=dtype, max_model_len=256, num_kv_blocks=32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_dir), dtype=getattr(torch, dtype)
+    ).eval()
+    chat = llm.tokenizer.encode_chat(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
+    prompts = [chat] + [llm.tokenizer.encode(p) for p in PROMPTS[:3]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    for ids, out in zip(prompts, outs):
+        tokens = out.outputs[0].token_ids
+        assert out.outputs[0].error is None and len(tokens) == 24
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids + tokens[:-1]])).logits[0, len(ids) - 1 :]
+        # bfloat16 logits near 25 are 0.125 apart: ties within two steps of the rounding pass.
+        assert_greedy_as(tokens, ref, 0.25)
+    assert "Paris" in outs[0].outputs[0].text
 
 
 def test_prefix_caching_keeps_the_greedy_tokens(llm, smollm2_dir):
