@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 from collections import defaultdict
 
@@ -115,15 +116,18 @@ def test_soak_with_client_aborts_leaves_every_block_free_and_metrics_consistent(
     assert metric(url, "kvserve:generation_tokens_total") >= tally["tokens"]
 
 
-# Generated requests per endpoint and mode (valid by the schema, and not).
-FUZZ_EXAMPLES = 30
-FUZZ_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+# Generated requests per operation and mode (valid by the schema, and not), and per generation
+# endpoint STRUCTURED_PER_EXAMPLE times as many with a hostile constraint. The default keeps the
+# run under half a minute; KVSERVE_FUZZ_EXAMPLES=100 makes it over 2,000 requests.
+FUZZ_EXAMPLES = int(os.environ.get("KVSERVE_FUZZ_EXAMPLES", "10"))
+STRUCTURED_PER_EXAMPLE = 4
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 def bounded(body):
     """Keeps a generated request cheap to serve; every other value is left as generated."""
     if isinstance(body, dict):
-        for name in ("max_tokens", "max_completion_tokens"):
+        for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if isinstance(body.get(name), int) and not isinstance(body[name], bool):
                 body[name] = min(body[name], 2)
         if isinstance(body.get("n"), int) and not isinstance(body["n"], bool):
@@ -131,35 +135,146 @@ def bounded(body):
     return body
 
 
-def test_schema_fuzzing_gets_no_server_error(tiny_llama_dir, one_thread):
-    """The tiny model (token-id prompts; text gets a 400 from its missing tokenizer) keeps the
-    run short; the values under test are the sampling ones, which every model shares."""
+def structured_bodies(path: str):
+    """Request bodies for ``path`` with a hostile structured output, and min_tokens near what it
+    allows: schemas that refer to themselves, contradict themselves or nest; regexes with huge
+    repeats; choices; grammars that never end; each under any of the fields that take it."""
+    from hypothesis import strategies as st
+
+    names = st.sampled_from(["a", "b", "c"])
+    small = st.integers(-2, 5)
+    huge = st.sampled_from([1000, 100000, 1000000])
+    regex = st.one_of(
+        st.text("ab()[]{}|*+?.^$\\-09,", max_size=24),
+        st.builds("{}{{{}}}".format, st.sampled_from(["a", "(ab)", "[a-z]", "(a|b)"]), huge),
+        st.sampled_from(["((ab){1000}c){1000}", "[^\\x00-\\U0010FFFF]", "", "a?", "(a*)*b"]),
+    )
+    json_value = st.one_of(st.none(), st.booleans(), small, st.text(max_size=4))
+    leaf = st.one_of(
+        st.booleans(),
+        st.fixed_dictionaries({"type": st.sampled_from(
+            ["string", "integer", "number", "boolean", "null", "object", "array"])}),
+        st.fixed_dictionaries({"enum": st.lists(json_value, max_size=3)}),
+        st.fixed_dictionaries({"const": json_value}),
+        st.fixed_dictionaries({"type": st.just("string"), "pattern": regex}),
+        st.fixed_dictionaries({"type": st.just("string"), "minLength": small, "maxLength": small}),
+        st.fixed_dictionaries({"type": st.just("integer"), "minimum": small, "maximum": small}),
+        st.sampled_from([{"$ref": "#"}, {"$ref": "#/$defs/a"}, {"$ref": "#/nowhere"}]),
+    )  # fmt: skip
+
+    def nested(inner):
+        return st.one_of(
+            st.fixed_dictionaries(
+                {"type": st.just("object"),
+                 "properties": st.dictionaries(names, inner, max_size=3)},
+                optional={"required": st.lists(names, max_size=3),
+                          "additionalProperties": st.booleans()},
+            ),
+            st.fixed_dictionaries({"type": st.just("array"), "items": inner},
+                                  optional={"minItems": small, "maxItems": small}),
+            st.fixed_dictionaries({"anyOf": st.lists(inner, max_size=3)}),
+            st.fixed_dictionaries({"allOf": st.lists(inner, max_size=3)}),
+        )  # fmt: skip
+
+    schema = st.recursive(leaf, nested, max_leaves=6)
+    rooted = st.builds(
+        lambda root, a: {**root, "$defs": {"a": a}} if isinstance(root, dict) else root,
+        schema,
+        schema,
+    )
+    objects = rooted.filter(lambda s: isinstance(s, dict))
+    grammar = st.one_of(
+        st.sampled_from(['root ::= root', 'root ::= "a" root', 'root ::= "x"{0,100000}',
+                         'start: start', 'start: "a"+', 'root ::= [^\\x00-\\xff]']),
+        st.text('root:=|"ab()*+? \n[]', max_size=32),
+    )  # fmt: skip
+    field = st.one_of(
+        st.builds(lambda s: {"structured_outputs": {"json": s}}, objects),
+        st.builds(lambda s: {"structured_outputs": {"json": json.dumps(s)}}, rooted),
+        st.builds(lambda s: {"json_schema": s}, objects),
+        st.builds(
+            lambda s: {"response_format": {"type": "json_schema",
+                                           "json_schema": {"name": "f", "schema": s}}},
+            objects,
+        ),
+        st.builds(lambda r: {"structured_outputs": {"regex": r}}, regex),
+        st.builds(lambda c: {"structured_outputs": {"choice": c}},
+                  st.lists(st.text(max_size=4), min_size=1, max_size=3)),
+        st.builds(lambda g: {"structured_outputs": {"grammar": g}}, grammar),
+        st.builds(lambda g: {"grammar": g}, grammar),
+    )  # fmt: skip
+    lengths = st.integers(1, 6).flatmap(lambda m: st.tuples(st.just(m), st.integers(0, m)))
+    text = st.text(max_size=12).filter(str.strip)
+    chat = path.endswith("/chat/completions")
+    if chat:
+        start = st.builds(lambda t: {"messages": [{"role": "user", "content": t}]}, text)
+    else:
+        start = st.builds(lambda t: {"prompt": t}, text)
+    sampling = st.fixed_dictionaries(
+        {"stream": st.booleans()},
+        optional={"ignore_eos": st.booleans(), "n": st.integers(1, 2), "seed": st.integers(0, 9),
+                  "temperature": st.sampled_from([0, 1.0]),
+                  "logprobs": st.just(True) if chat else st.integers(0, 2)},
+    )  # fmt: skip
+    return st.builds(
+        lambda s, f, mn, rest: s | f | rest | {"max_tokens": mn[0], "min_tokens": mn[1]},
+        start, field, lengths, sampling,
+    )  # fmt: skip
+
+
+def server_errors(r) -> list[str]:
+    """The response's 5xx, or a stream's error events that are the server's."""
+    if r.status_code >= 500:
+        return [f"{r.status_code}: {r.text[:300]}"]
+    if "text/event-stream" in str(r.headers.get("content-type")):
+        return [line[:300] for line in r.text.splitlines() if "internal_server_error" in line]
+    return []
+
+
+def test_schema_fuzzing_gets_no_server_error(worded_llama_dir, one_thread):
+    """Every operation, with generated requests valid by the OpenAPI schema and not, then the
+    generation endpoints with hostile structured outputs: no 5xx, and no stream that ends in a
+    server error. A tiny random model with SmolLM2's tokenizer keeps it short while text,
+    chat templates and constraints are all served."""
     import schemathesis
     from hypothesis import HealthCheck, given, settings
+    from hypothesis.errors import Unsatisfiable
+
+    def run(strategy, count: int, prepare) -> None:
+        """Calls ``count`` cases drawn from ``strategy``, each as ``prepare`` makes it."""
+
+        @given(drawn=strategy)
+        @settings(max_examples=count, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))  # fmt: skip
+        def call(drawn) -> None:
+            case = prepare(drawn)
+            r = case.call(base_url=url, timeout=60)
+            calls.append(r.status_code)
+            failures.extend((case.method, case.path, case.body, e) for e in server_errors(r))
+
+        try:
+            call()
+        except Unsatisfiable:  # an operation without inputs has no invalid ones to send
+            pass
+
+    def cheap(case):
+        case.body = bounded(case.body)
+        return case
 
     engine = dict(num_kv_blocks=64, max_num_seqs=8)
-    failures = []
-    with server(tiny_llama_dir, engine, {}) as (async_engine, url):
+    failures, calls = [], []
+    with server(worded_llama_dir, engine, {}) as (async_engine, url):
         schema = schemathesis.openapi.from_url(url + "/openapi.json")
-        for path in FUZZ_PATHS:
-            operation = schema[path]["POST"]
+        for result in schema.get_all_operations():
+            operation = result.ok()
             for mode in schemathesis.GenerationMode:
-
-                @given(case=operation.as_strategy(mode))
-                @settings(
-                    max_examples=FUZZ_EXAMPLES,
-                    deadline=None,
-                    database=None,
-                    derandomize=True,
-                    suppress_health_check=list(HealthCheck),
-                )
-                def call(case) -> None:
-                    case.body = bounded(case.body)
-                    r = case.call(base_url=url, timeout=60)
-                    if r.status_code >= 500:
-                        failures.append((case.path, case.body, r.status_code, r.text[:300]))
-
-                call()
+                run(operation.as_strategy(mode), FUZZ_EXAMPLES, cheap)
+        for path in GENERATION_PATHS:
+            operation = schema[path]["POST"]
+            make = operation.Case
+            cases = structured_bodies(path).map(lambda body, make=make: make(body=body))
+            run(cases, STRUCTURED_PER_EXAMPLE * FUZZ_EXAMPLES, lambda case: case)
         stats = wait_for_free_blocks(async_engine, timeout=30)
+    print(f"{len(calls)} requests, {sum(s >= 500 for s in calls)} answered 5xx")
     assert not failures, failures[:5]
     assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
