@@ -40,6 +40,28 @@ def quantize(matrix: torch.Tensor, fmt: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(blocks)).to(matrix.device)
 
 
+# The K formats gguf-py does not quantize: per format, the byte offsets of its fp16 scales in
+# a block and their size for values of about 1.
+K_SCALES = {"q4_k": ((0, 2), 0.01), "q5_k": ((0, 2), 0.01), "q6_k": ((208,), 0.004)}
+
+
+def random_blocks(fmt: str, n: int, k: int, seed: int, size: float = 1.0) -> torch.Tensor:
+    """Random weights for tests and benchmarks, uint8 [n, row bytes] of format ``fmt``:
+    quantized random rows (32-value formats), random bits under finite fp16 scales (K formats);
+    values of about ``size``."""
+    g = torch.Generator().manual_seed(seed)
+    if fmt not in K_SCALES:
+        return quantize(torch.randn(n, k, generator=g) * size, fmt)
+    spec = FORMATS[fmt]
+    blocks = torch.randint(0, 256, (n, k // spec.block, spec.block_bytes), generator=g)
+    blocks = blocks.to(torch.uint8)
+    offsets, magnitude = K_SCALES[fmt]
+    for off in offsets:
+        scale = (torch.rand(n, k // spec.block, generator=g) * magnitude * size).half()
+        blocks[:, :, off : off + 2] = scale.view(torch.uint8).view(n, k // spec.block, 2)
+    return blocks.view(n, -1)
+
+
 def stored_bytes(w: Weight) -> int:
     """Bytes the weight takes in memory (its bias included)."""
     size = w.data.numel() * w.data.element_size()

@@ -23,33 +23,15 @@ import pytest
 import torch
 
 from kernels import cpu
-from kernels.quant import QuantLinear, dequantize, quantize
+from kernels.quant import K_SCALES, QuantLinear, dequantize, quantize, random_blocks
 from kernels.weights import FORMATS, DecoderLayerWeights, Weight
 
 why = cpu.load()
 pytestmark = pytest.mark.skipif(why is not None, reason=f"kernels.cpu unavailable: {why}")
 
 BLOCK_FORMATS = [f for f in FORMATS if f != "dense"]
-K_FORMATS = ("q4_k", "q5_k", "q6_k")
-# Byte offsets of the fp16 scales in a block: (d offsets, their magnitude).
-K_SCALES = {"q4_k": ((0, 2), 0.01), "q5_k": ((0, 2), 0.01), "q6_k": ((208,), 0.004)}
+K_FORMATS = tuple(K_SCALES)
 GGUF_CACHE = Path.home() / ".cache" / "kvserve" / "gguf"
-
-
-def random_blocks(fmt: str, n: int, k: int, seed: int, size: float = 1.0) -> torch.Tensor:
-    """uint8 [n, row bytes] of format ``fmt``: quantized random rows (32-value formats), random
-    bits under finite fp16 scales (K formats); values of about ``size``."""
-    g = torch.Generator().manual_seed(seed)
-    if fmt not in K_FORMATS:
-        return quantize(torch.randn(n, k, generator=g) * size, fmt)
-    spec = FORMATS[fmt]
-    blocks = torch.randint(0, 256, (n, k // spec.block, spec.block_bytes), generator=g)
-    blocks = blocks.to(torch.uint8)
-    offsets, magnitude = K_SCALES[fmt]
-    for off in offsets:
-        scale = (torch.rand(n, k // spec.block, generator=g) * magnitude * size).half()
-        blocks[:, :, off : off + 2] = scale.view(torch.uint8).view(n, k // spec.block, 2)
-    return blocks.view(n, -1)
 
 
 def reference(x: torch.Tensor, parts) -> torch.Tensor:

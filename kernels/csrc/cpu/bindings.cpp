@@ -20,6 +20,7 @@
 #include "decoder_layer.h"
 #include "linear.h"
 #include "op_args.h"
+#include "peak.h"
 #include "pointwise.h"
 
 namespace kvserve {
@@ -159,6 +160,8 @@ KVSERVE_LIBRARY(KVSERVE_OPS, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps, float offset) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("gated_act(Tensor h, int act) -> Tensor");
+  // No tensor to dispatch on: one kernel for every backend.
+  m.def("int8_peak(int iterations) -> float", &kvserve::int8_peak);
   // Per layer: cos, sin [T, head_dim], k and v caches, its group's attention metadata, its
   // weights by name (weight_names.size() entries of weights and weight_formats per layer, None
   // for an absent one), and its importance scores and score_from (None: none kept).

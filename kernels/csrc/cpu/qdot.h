@@ -86,6 +86,17 @@ KVSERVE_INLINE bytes32 dot_acc(bytes32 acc, bytes32 u, bytes32 s) {
 #endif
 }
 
+// acc + the byte products of u and s by one multiply instruction per 32 of them: VPDPBUSD
+// with VNNI, else VPMADDUBSW into int16 lanes (which a product would widen now and then).
+// Only for measuring the machine's peak rate of byte products (peak.cpp).
+KVSERVE_INLINE bytes32 multiply_step(bytes32 acc, bytes32 u, bytes32 s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s));
+#endif
+}
+
 // Whether dot_acc takes any unsigned bytes (VNNI sums in int32; AVX2 pairs them in int16).
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 constexpr bool FULL_BYTE_DOTS = true;
