@@ -16,7 +16,7 @@ double int8_peak(int64_t iterations) {
   {
     threads = omp_get_num_threads();
     bytes32 acc[CHAINS];
-    for (int c = 0; c < CHAINS; ++c) acc[c] = _mm256_set1_epi32(c);
+    for (int c = 0; c < CHAINS; ++c) acc[c] = splat_bytes(static_cast<int8_t>(c));
     const bytes32 u = splat_bytes(3), s = splat_bytes(-2);
 #pragma omp barrier
     const double start = omp_get_wtime();
