@@ -1043,6 +1043,7 @@ ERROR_STATUSES = {
     "400": "Invalid request: the message names the parameter.",
     "401": "Missing or wrong API key (when the server has keys).",
     "404": "Unknown model, route or stored response.",
+    "408": "The request body stopped arriving for --request-body-timeout seconds.",
     "413": "Request body over --max-request-bytes.",
     "429": "Queue full; retry after the Retry-After header's seconds.",
     "500": "Internal error.",
@@ -1111,6 +1112,7 @@ def build_app(
         api_keys=args.api_key,
         max_bytes=args.max_request_bytes,
         draining=lambda: server.draining,
+        body_timeout=args.request_body_timeout,
     )
     install_error_handlers(app)
 

@@ -34,6 +34,10 @@ class ServerArgs:
     max_request_bytes: int = setting(
         4 * MIB, "largest request body accepted; larger ones get 413", group=LIMITS
     )
+    request_body_timeout: float = setting(
+        10.0, "seconds a request body may go without a byte arriving before its end; then 408 "
+        "and the connection closes", metavar="SECONDS", group=LIMITS,
+    )  # fmt: skip
     max_prompts_per_request: int = setting(
         256, "prompts one /v1/completions request may batch", group=LIMITS
     )
@@ -50,8 +54,8 @@ class ServerArgs:
         "used evicted first; 0 keeps none)", metavar="N", group=LIMITS,
     )  # fmt: skip
     response_store_max_bytes: int = setting(
-        64 * MIB, "bytes those stored responses may hold, each counted as the JSON of its "
-        "response and whole conversation", metavar="N", group=LIMITS,
+        64 * MIB, "bytes of memory those stored responses may hold (each kept as the JSON of "
+        "its response and whole conversation)", metavar="N", group=LIMITS,
     )  # fmt: skip
     engine_stall_timeout: float = setting(
         60.0, "/health answers 503 when work is pending and the engine has not completed a "
@@ -63,6 +67,7 @@ class ServerArgs:
             (0 <= self.port < 65536, "port"),  # 0: any free port
             (all(self.api_key), "api_key"),
             (self.max_request_bytes > 0, "max_request_bytes"),
+            (self.request_body_timeout > 0, "request_body_timeout"),
             (self.max_prompts_per_request > 0, "max_prompts_per_request"),
             (self.max_sequences_per_request > 0, "max_sequences_per_request"),
             (self.shutdown_timeout >= 0, "shutdown_timeout"),

@@ -1,4 +1,5 @@
-"""What a request passes before any route sees it: the drain, the API key, the body size.
+"""What a request passes before any route sees it: the drain, the API key, the body size and
+the pace at which the body arrives.
 
 A plain ASGI middleware (it never buffers a response, so streams pass through untouched).
 /health and /metrics are always open: probes and scrapers carry no key, and during a drain
@@ -7,6 +8,7 @@ A plain ASGI middleware (it never buffers a response, so streams pass through un
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import Callable
 
@@ -46,11 +48,19 @@ def too_large(max_bytes: int) -> str:
     return f"The request body is larger than this server's limit of {max_bytes} bytes."
 
 
+def stalled(timeout: float) -> HTTPException:
+    message = f"The request body stopped arriving: no byte of it for {timeout:g} s."
+    # Closing is the point: the rest of the body may never come, and the socket would stay.
+    return HTTPException(408, message, headers={"Connection": "close"})
+
+
 class Guard:
     """Refuses new requests while ``draining()`` (503, Retry-After), requests without one of
-    ``api_keys`` when there are any (401, as OpenAI: code ``invalid_api_key``), and bodies over
-    ``max_bytes`` (413): at once from Content-Length, else as soon as the bytes arriving pass it
-    (the route's body read raises, and the app's handler answers)."""
+    ``api_keys`` when there are any (401, as OpenAI: code ``invalid_api_key``), bodies over
+    ``max_bytes`` (413): at once from Content-Length, else as soon as the bytes arriving pass it,
+    and bodies that stop arriving for ``body_timeout`` seconds before their end (408, and the
+    connection closes). The last two are raised by the route's body read, and the app's handler
+    answers; uvicorn bounds neither (its keep-alive timeout starts only after a response)."""
 
     def __init__(
         self,
@@ -58,18 +68,27 @@ class Guard:
         api_keys: tuple[str, ...],
         max_bytes: int,
         draining: Callable[[], bool],
+        body_timeout: float = 10.0,
     ):
         self.app = app
         self.api_keys = tuple(key.encode() for key in api_keys)
         self.max_bytes = max_bytes
         self.draining = draining
+        self.body_timeout = body_timeout
 
     def _limited(self, receive: Receive) -> Receive:
         received = 0
+        body_done = False
 
         async def receive_limited():
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:  # what follows is the wait for a disconnect, which has no deadline
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout)
+            except asyncio.TimeoutError:
+                raise stalled(self.body_timeout) from None
+            body_done = message["type"] != "http.request" or not message.get("more_body")
             received += len(message.get("body", b""))
             if received > self.max_bytes:
                 raise HTTPException(413, too_large(self.max_bytes))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +17,7 @@ import pytest
 from engine.args import EngineArgs
 from server.args import MIB, ServerArgs
 from tests.helpers import serve_in_thread
-from tests.server.test_server_errors import assert_error, wait_for_free_blocks
+from tests.server.test_server_errors import StubEngine, assert_error, wait_for_free_blocks
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -342,15 +344,72 @@ def test_gauges_count_queued_requests_before_any_step(keyed, monkeypatch):
         post.join(30)
 
 
+# ---- bodies that stop arriving ----
+
+
+def server_fds(port: int) -> int:
+    """The fds this process holds on connections accepted on ``port``: the server's ends."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                local, state, inode = row.split()[1], row.split()[3], row.split()[9]
+                if int(local.rsplit(":", 1)[1], 16) == port and state != "0A":  # 0A: listening
+                    inodes.add(f"socket:[{inode}]")
+    held = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own fd, closed by now
+            held += os.readlink(f"/proc/self/fd/{fd}") in inodes
+    return held
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads /proc")
+def test_a_body_that_stops_arriving_is_answered_408_and_its_connection_closed():
+    """Clients that send headers and part of a body, then nothing: each is answered within the
+    timeout, and the server's ends of their connections are closed."""
+    from server.app import build_app
+
+    timeout, n = 1.0, 50
+    app = build_app(StubEngine(RuntimeError("unused")), ServerArgs(request_body_timeout=timeout))
+    head = (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            "Content-Length: 1000\r\n\r\n").encode()  # fmt: skip
+    with serve_in_thread(app) as url:
+        host, port = url.removeprefix("http://").split(":")
+        clients = [socket.create_connection((host, int(port))) for _ in range(n)]
+        start = time.monotonic()
+        for c in clients:
+            c.sendall(head + b'{"messages": [')
+        time.sleep(timeout / 2)
+        assert server_fds(int(port)) == n  # the measure sees them while they wait
+        for c in clients:
+            c.settimeout(timeout + 5)
+            answer = b""
+            while chunk := c.recv(65536):  # until the server closes its end
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+            assert b"stopped arriving" in answer
+        assert time.monotonic() - start < timeout + 3
+        assert server_fds(int(port)) == 0
+        for c in clients:
+            c.close()
+        # A whole body still gets its answer; the route's own check follows.
+        r = httpx.post(url + CHAT, json={"messages": []})
+        assert r.status_code == 400, r.text
+
+
 def test_serve_flags_build_server_args(monkeypatch):
     from server.cli import build_parser, server_args
 
     parser = build_parser()
     argv = ["serve", "--model", "m", "--api-key", "a", "--api-key", "b"]
     argv += ["--max-request-bytes", "100", "--shutdown-timeout", "5", "--port", "9000"]
+    argv += ["--request-body-timeout", "2.5"]
     args = server_args(parser, parser.parse_args(argv))
     assert args == ServerArgs(api_key=("a", "b"), max_request_bytes=100, shutdown_timeout=5.0,
-                              port=9000)  # fmt: skip
+                              port=9000, request_body_timeout=2.5)  # fmt: skip
+    with pytest.raises(SystemExit):
+        server_args(parser, parser.parse_args(["serve", "--model", "m",
+                                               "--request-body-timeout", "0"]))  # fmt: skip
     monkeypatch.setenv("KVSERVE_API_KEY", "from-env")
     assert server_args(parser, parser.parse_args(["serve", "--model", "m"])).api_key == (
         "from-env",
