@@ -135,10 +135,10 @@ def bounded(body):
     return body
 
 
-def structured_bodies(path: str):
-    """Request bodies for ``path`` with a hostile structured output, and min_tokens near what it
-    allows: schemas that refer to themselves, contradict themselves or nest; regexes with huge
-    repeats; choices; grammars that never end; each under any of the fields that take it."""
+def hostile_constraints():
+    """Structured outputs under any of the fields that take them: schemas that refer to
+    themselves, contradict themselves or nest; regexes with huge repeats; choices; grammars
+    that never end."""
     from hypothesis import strategies as st
 
     names = st.sampled_from(["a", "b", "c"])
@@ -188,7 +188,7 @@ def structured_bodies(path: str):
                          'start: start', 'start: "a"+', 'root ::= [^\\x00-\\xff]']),
         st.text('root:=|"ab()*+? \n[]', max_size=32),
     )  # fmt: skip
-    field = st.one_of(
+    return st.one_of(
         st.builds(lambda s: {"structured_outputs": {"json": s}}, objects),
         st.builds(lambda s: {"structured_outputs": {"json": json.dumps(s)}}, rooted),
         st.builds(lambda s: {"json_schema": s}, objects),
@@ -203,6 +203,14 @@ def structured_bodies(path: str):
         st.builds(lambda g: {"structured_outputs": {"grammar": g}}, grammar),
         st.builds(lambda g: {"grammar": g}, grammar),
     )  # fmt: skip
+
+
+def structured_bodies(path: str):
+    """Request bodies for ``path`` with a hostile structured output (``hostile_constraints``),
+    and min_tokens near what it allows."""
+    from hypothesis import strategies as st
+
+    field = hostile_constraints()
     lengths = st.integers(1, 6).flatmap(lambda m: st.tuples(st.just(m), st.integers(0, m)))
     text = st.text(max_size=12).filter(str.strip)
     chat = path.endswith("/chat/completions")
