@@ -3,7 +3,9 @@
 Hand-off is a thread-safe queue in and ``loop.call_soon_threadsafe`` out. A consumer that
 stops iterating (client gone, task cancelled) aborts its request; the engine thread frees its
 blocks before the next step. The engine thread beats a heartbeat after every command batch and
-step, so a caller can tell a busy engine from a stuck or dead one (``health``).
+step (and every ``IDLE_BEAT_S`` when idle), so the time since its last beat is how long it has
+been inside the current step: a caller tells a slow engine (``readiness``) from a hung or dead
+one (``liveness``).
 """
 
 from __future__ import annotations
@@ -136,11 +138,25 @@ class AsyncEngine:
             entry[1].put_nowait(error)
         self.abort(request_id)
 
-    def health(self, stall_timeout: float) -> str | None:
-        """None when healthy; else why not: the engine thread died, or work is pending and it
-        has not completed a step (or a batch of commands) for ``stall_timeout`` seconds."""
+    def liveness(self, hang_timeout: float) -> str | None:
+        """None while the engine thread is alive and stepping; else why not: it has stopped
+        (an engine that cannot go on ends it), or it has been inside one step (or one batch of
+        commands) for ``hang_timeout`` seconds. A slow step is still a live one; only a step
+        longer than any this server should ever take counts as hung."""
         if not self._thread.is_alive():
             return "the engine thread has stopped"
+        busy = time.monotonic() - self.last_beat
+        if busy > hang_timeout:
+            return f"the engine thread has been inside one step for {busy:.0f} s"
+        return None
+
+    def readiness(self, stall_timeout: float, hang_timeout: float) -> str | None:
+        """None when new work would be served; else why not: the engine is not live, or work is
+        pending and it has not completed a step (or a batch of commands) for ``stall_timeout``
+        seconds."""
+        reason = self.liveness(hang_timeout)
+        if reason is not None:
+            return reason
         pending = self.engine.has_unfinished or not self._commands.empty()
         stalled = time.monotonic() - self.last_beat
         if pending and stalled > stall_timeout:

@@ -333,11 +333,17 @@ class OpenAIServer:
             args.response_store_max_entries, args.response_store_max_bytes
         )
 
-    def health(self) -> str | None:
-        """None when this server should get traffic; else why not."""
+    def liveness(self) -> str | None:
+        """None while this server is alive (its engine thread runs and comes back from its
+        steps), draining included; else why a restart is due."""
+        return self.engine.liveness(self.args.engine_hang_timeout)
+
+    def readiness(self) -> str | None:
+        """None when this server should get new traffic; else why not: it drains, its engine
+        is not live, or its engine has made no progress for --engine-stall-timeout."""
         if self.draining:
             return "the server is shutting down"
-        return self.engine.health(self.args.engine_stall_timeout)
+        return self.engine.readiness(self.args.engine_stall_timeout, self.args.engine_hang_timeout)
 
     def abort_all(self, error: BaseException) -> int:
         """Ends every generation in flight with ``error``; returns how many there were."""
@@ -1116,11 +1122,20 @@ def build_app(
     )
     install_error_handlers(app)
 
+    # Kubernetes' two questions: /health whether to restart this server (liveness), /ready
+    # whether to send it traffic (readiness). A slow server is alive: only /ready turns 503.
     @app.get("/health")
     async def health() -> Response:
-        reason = server.health()
+        reason = server.liveness()
         if reason is not None:
             return error_response(503, f"Unhealthy: {reason}.")
+        return Response('{"status":"ok"}', media_type="application/json")
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        reason = server.readiness()
+        if reason is not None:
+            return error_response(503, f"Not ready: {reason}.")
         return Response('{"status":"ok"}', media_type="application/json")
 
     @app.get("/metrics", include_in_schema=False)

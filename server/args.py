@@ -27,8 +27,8 @@ class ServerArgs:
         "info", "uvicorn's log level", choices=("debug", "info", "warning"), group=HTTP
     )
     api_key: tuple[str, ...] = setting(
-        (), "a key clients must send as `Authorization: Bearer KEY` on every route but /health "
-        "and /metrics; repeat for several", metavar="KEY", group=LIMITS,
+        (), "a key clients must send as `Authorization: Bearer KEY` on every route but /health, "
+        "/ready and /metrics; repeat for several", metavar="KEY", group=LIMITS,
         when_none=f"${API_KEY_ENV}, else none: no authentication",
     )  # fmt: skip
     max_request_bytes: int = setting(
@@ -58,8 +58,14 @@ class ServerArgs:
         "its response and whole conversation)", metavar="N", group=LIMITS,
     )  # fmt: skip
     engine_stall_timeout: float = setting(
-        60.0, "/health answers 503 when work is pending and the engine has not completed a "
-        "step for this long", metavar="SECONDS", group=LIMITS,
+        60.0, "/ready (readiness) answers 503 while work is pending and the engine has not "
+        "completed a step for this long: a slow server gets no new traffic, and is not "
+        "restarted", metavar="SECONDS", group=LIMITS,
+    )  # fmt: skip
+    engine_hang_timeout: float = setting(
+        600.0, "/health (liveness) answers 503 once the engine has been inside one step for "
+        "this long, as when it has died: longer than any step should take on this hardware",
+        metavar="SECONDS", group=LIMITS,
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -72,6 +78,7 @@ class ServerArgs:
             (self.max_sequences_per_request > 0, "max_sequences_per_request"),
             (self.shutdown_timeout >= 0, "shutdown_timeout"),
             (self.engine_stall_timeout > 0, "engine_stall_timeout"),
+            (self.engine_hang_timeout > 0, "engine_hang_timeout"),
             (self.response_store_max_entries >= 0, "response_store_max_entries"),
             (self.response_store_max_bytes >= 0, "response_store_max_bytes"),
         ]

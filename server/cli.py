@@ -149,7 +149,7 @@ def serve(args: EngineArgs, http: ServerArgs) -> int:
         server = app.state.server
         log_startup(engine, server.served_model_name)
         if http.api_key:
-            log.info("API keys required on every route but /health and /metrics")
+            log.info("API keys required on every route but /health, /ready and /metrics")
         elif http.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("listening on %s without API keys (--api-key)", http.host)
         shutdown.run(app, server, http.host, http.port, http.log_level, http.shutdown_timeout)

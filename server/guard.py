@@ -2,8 +2,8 @@
 the pace at which the body arrives.
 
 A plain ASGI middleware (it never buffers a response, so streams pass through untouched).
-/health and /metrics are always open: probes and scrapers carry no key, and during a drain
-/health itself answers 503. The API description (/openapi.json, /docs) is open too.
+/health, /ready and /metrics are always open: probes and scrapers carry no key, and during a
+drain /ready itself answers 503. The API description (/openapi.json, /docs) is open too.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.protocol import ErrorInfo, ErrorResponse
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 DOC_PATHS = frozenset({"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 # Seconds a client is told to wait before retrying elsewhere while this server drains.
 DRAIN_RETRY_AFTER = 1

@@ -1,6 +1,6 @@
 """Graceful drain with a deadline: uvicorn, told what to do on SIGTERM.
 
-First SIGTERM or SIGINT: stop admitting (new requests and /health get 503 with Retry-After,
+First SIGTERM or SIGINT: stop admitting (new requests get 503 with Retry-After, and /ready 503,
 while the socket stays open so a keep-alive client hears it), let the requests in flight finish
 for up to ``shutdown_timeout`` seconds, then end the rest with an error (a final error event and
 ``[DONE]`` on a stream) and exit. It never waits on the engine thread: a stuck engine delays

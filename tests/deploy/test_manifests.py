@@ -51,14 +51,20 @@ def container() -> dict:
     return c
 
 
-def test_the_deployment_drains_within_its_grace_period_and_probes_health():
+# Kubernetes' meaning of each probe, and the route that answers it: liveness restarts the pod,
+# so it asks only whether the engine is alive; readiness (draining, a stalled engine) only
+# stops new traffic.
+PROBES = {"startupProbe": "/health", "livenessProbe": "/health", "readinessProbe": "/ready"}
+
+
+def test_the_deployment_drains_within_its_grace_period_and_probes_liveness_and_readiness():
     spec = by_kind("Deployment")["spec"]["template"]["spec"]
     drain = int(re.search(r"--shutdown-timeout (\d+)", (DEPLOY / "Dockerfile").read_text())[1])
     pre_stop = container()["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert pre_stop + drain < spec["terminationGracePeriodSeconds"]
     ports = {p["name"] for p in container()["ports"]}
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container()[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    for probe, path in PROBES.items():
+        assert container()[probe]["httpGet"] == {"path": path, "port": "http"}
         assert container()[probe]["httpGet"]["port"] in ports
     key = container()["env"][0]
     assert key["name"] == "KVSERVE_API_KEY" and "secretKeyRef" in key["valueFrom"]

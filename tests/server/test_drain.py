@@ -107,7 +107,9 @@ def test_sigterm_drains_then_ends_what_is_left_at_the_deadline(tiny_llama_dir):
         with httpx.Client() as client:  # a new request during the drain
             r = client.post(url + "/v1/completions", json=short)
             assert assert_error(r, 503)["code"] == "shutting_down" and r.headers["Retry-After"]
-            assert_error(client.get(url + "/health"), 503)
+            # Draining, it takes no traffic but is alive: no restart while requests finish.
+            assert "shutting down" in assert_error(client.get(url + "/ready"), 503)["message"]
+            assert client.get(url + "/health").status_code == 200
         short_thread.join(30)
         assert short_result["done"] and "error" not in short_result["events"][-1]
         endless.join(DEADLINE_S + EXIT_MARGIN_S)

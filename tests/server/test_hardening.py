@@ -241,12 +241,16 @@ def test_large_bodies_are_refused_or_tokenized_off_the_event_loop(smol, canary_t
 # ---- a tiny random model: API keys, limits and liveness without a real model's cost ----
 
 KEYS = ("key-one", "key-two")
+# The keyed server's --engine-hang-timeout: past its stall timeout (1 s) by more than a slow
+# request to /health takes on a busy machine.
+HANG_S = 4.0
 
 
 @pytest.fixture(scope="module")
 def keyed(tiny_llama_dir):
     engine = dict(num_kv_blocks=64, max_num_seqs=8)
-    with server(tiny_llama_dir, engine, dict(api_key=KEYS, engine_stall_timeout=1.0)) as pair:
+    http = dict(api_key=KEYS, engine_stall_timeout=1.0, engine_hang_timeout=HANG_S)
+    with server(tiny_llama_dir, engine, http) as pair:
         yield pair
 
 
@@ -254,7 +258,7 @@ def bearer(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"}
 
 
-def test_api_keys_guard_every_route_but_health_and_metrics(keyed):
+def test_api_keys_guard_every_route_but_probes_and_metrics(keyed):
     _, url = keyed
     body = {"prompt": [5, 6, 7], "max_tokens": 2}
     for headers in ({}, bearer("wrong"), {"Authorization": "Basic key-one"}):
@@ -267,9 +271,8 @@ def test_api_keys_guard_every_route_but_health_and_metrics(keyed):
     for key in KEYS:
         r = httpx.post(url + COMPLETIONS, json=body, headers=bearer(key))
         assert r.status_code == 200, r.text
-    assert httpx.get(url + "/health").status_code == 200
-    assert httpx.get(url + "/metrics").status_code == 200
-    assert httpx.get(url + "/openapi.json").status_code == 200
+    for path in ("/health", "/ready", "/metrics", "/openapi.json"):
+        assert httpx.get(url + path).status_code == 200, path
 
 
 def test_openai_client_sends_its_key(keyed):
@@ -299,7 +302,17 @@ def stick(engine, monkeypatch) -> threading.Event:
     return release
 
 
-def test_health_is_503_while_the_engine_is_stuck_with_work(keyed, monkeypatch):
+def wait_for(url: str, status: int, seconds: float) -> httpx.Response:
+    deadline = time.monotonic() + seconds
+    while (r := httpx.get(url)).status_code != status:
+        assert time.monotonic() < deadline, f"{url} never answered {status}: {r.text}"
+        time.sleep(0.1)
+    return r
+
+
+def test_a_stuck_engine_is_unready_at_the_stall_timeout_and_dead_at_the_hang_timeout(
+    keyed, monkeypatch
+):
     engine, url = keyed
     release = stick(engine, monkeypatch)
     headers = bearer(KEYS[0])
@@ -310,18 +323,29 @@ def test_health_is_503_while_the_engine_is_stuck_with_work(keyed, monkeypatch):
             kwargs={"json": {"prompt": [5, 6], "max_tokens": 2}, "headers": headers},
         )
         pending.start()
-        deadline = time.monotonic() + 10
-        while httpx.get(url + "/health").status_code == 200:
-            assert time.monotonic() < deadline, "/health never noticed the stuck engine"
-            time.sleep(0.1)
-        r = httpx.get(url + "/health")
-        assert_error(r, 503)
-        assert "no progress" in r.json()["error"]["message"]
+        r = wait_for(url + "/ready", 503, 10)
+        assert "no progress" in assert_error(r, 503)["message"]
+        # Slow is not dead: liveness holds until the step has run for the hang timeout.
+        assert httpx.get(url + "/health").status_code == 200
+        r = wait_for(url + "/health", 503, HANG_S + 10)
+        assert "inside one step" in assert_error(r, 503)["message"]
+        assert "inside one step" in assert_error(httpx.get(url + "/ready"), 503)["message"]
         release.set()
         pending.join(30)
     assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/ready").status_code == 200
     stats = wait_for_free_blocks(engine)
     assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
+
+
+def test_a_dead_engine_thread_fails_liveness_and_readiness(keyed, monkeypatch):
+    engine, url = keyed
+    ended = threading.Thread(target=lambda: None)
+    ended.start()
+    ended.join()
+    monkeypatch.setattr(engine, "_thread", ended)
+    for path in ("/health", "/ready"):
+        assert "has stopped" in assert_error(httpx.get(url + path), 503)["message"]
 
 
 def test_gauges_count_queued_requests_before_any_step(keyed, monkeypatch):

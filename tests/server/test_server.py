@@ -375,6 +375,7 @@ def test_models_health_and_tokenizer_endpoints(client, served):
     models = client.models.list()
     assert [m.id for m in models.data] == [SERVED_NAME]
     assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/ready").status_code == 200
     r = httpx.post(f"{url}/tokenize", json={"model": SERVED_NAME, "prompt": PROMPT}).json()
     assert r["count"] == len(r["tokens"]) and r["max_model_len"] == MAX_MODEL_LEN
     back = httpx.post(f"{url}/detokenize", json={"tokens": r["tokens"]}).json()
