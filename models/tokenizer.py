@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime
@@ -12,6 +14,13 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
+
+# Texts at least this long are encoded into hundreds of bytes per token, which the allocator
+# keeps in the encoding thread's arena once freed: a few long texts would hold that much for
+# good. Past this length, the freed memory is handed back to the system.
+_TRIM_AFTER_CHARS = 1 << 17
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"))
+_malloc_trim = getattr(_LIBC, "malloc_trim", None)  # glibc's; elsewhere nothing to do
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -77,6 +86,61 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
     return checked
 
 
+# Normalizers that never shorten a text (a Replace only when its content is no shorter than its
+# literal pattern), and pre-tokenizers that drop none of it: after them, every character of the
+# text is still there to be covered by some token.
+_LENGTH_KEEPING = frozenset({"NFD", "NFKD", "Lowercase", "Prepend"})
+_TEXT_KEEPING = frozenset({"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts"})
+
+
+def _keeps_length(normalizer: dict[str, Any] | None) -> bool:
+    if normalizer is None:
+        return True
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        return all(_keeps_length(n) for n in normalizer.get("normalizers", []))
+    if kind == "Replace":
+        literal = (normalizer.get("pattern") or {}).get("String")
+        return literal is not None and len(normalizer.get("content", "")) >= len(literal)
+    return kind in _LENGTH_KEEPING
+
+
+def _keeps_text(pre_tokenizer: dict[str, Any] | None) -> bool:
+    if pre_tokenizer is None:
+        return True
+    kind = pre_tokenizer.get("type")
+    if kind == "Sequence":
+        return all(_keeps_text(p) for p in pre_tokenizer.get("pretokenizers", []))
+    if pre_tokenizer.get("behavior") == "Removed":
+        return False
+    return kind == "Split" or kind in _TEXT_KEEPING
+
+
+def _max_token_chars(config: dict[str, Any]) -> int | None:
+    """The most characters of text one token can stand for, from a tokenizer.json: its longest
+    vocabulary entry. A byte-level entry spells one byte per character, and a character is at
+    least one byte; a SentencePiece entry spells one character per character. None where no
+    such bound holds: a model that folds unknown text of any length into one token, or a
+    normalizer or pre-tokenizer that may shorten the text before it is split."""
+    model = config.get("model") or {}
+    folds_unknown = model.get("unk_token") is not None and not model.get("byte_fallback")
+    keeps = _keeps_length(config.get("normalizer")) and _keeps_text(config.get("pre_tokenizer"))
+    if model.get("type") != "BPE" or folds_unknown or not keeps:
+        return None
+    words = [*model.get("vocab", {}), *(t["content"] for t in config.get("added_tokens", []))]
+    return max(map(len, words), default=None)
+
+
+class TooManyTokens(Exception):
+    """A text over the ``max_tokens`` it was encoded with: ``count`` tokens, or at least that
+    many where ``exact`` is False (refused from its length, before it was encoded)."""
+
+    def __init__(self, count: int, exact: bool):
+        super().__init__(f"{'' if exact else 'at least '}{count} tokens")
+        self.count = count
+        self.exact = exact
+
+
 class Tokenizer:
     """Encodes, decodes and renders chats for one converted model folder."""
 
@@ -104,6 +168,7 @@ class Tokenizer:
         self._compiled: jinja2.Template | None = None
         probe = tokenizer.encode("", add_special_tokens=True).ids
         self._adds_bos = bos_token_id is not None and probe[:1] == [bos_token_id]
+        self.max_token_chars = _max_token_chars(json.loads(tokenizer.to_str()))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -150,18 +215,38 @@ class Tokenizer:
         """Whether the chat template renders the ``tools`` it is given."""
         return bool(self._chat_template) and "tools" in self._chat_template
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Raises ValueError for text that is not valid Unicode (a lone surrogate). Releases
-        the GIL while it works (``encode`` holds it; ``encode_batch`` does not), so a long text
-        encoded in a worker thread never pauses the threads around it."""
+    def encode(
+        self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None
+    ) -> list[int]:
+        """Raises ValueError for text that is not valid Unicode (a lone surrogate), and
+        TooManyTokens for one over ``max_tokens``: before encoding it where its length shows it
+        (``min_tokens``), else before its ids become a Python list. Releases the GIL while it
+        works (``encode`` holds it; ``encode_batch`` does not), so a long text encoded in a
+        worker thread never pauses the threads around it."""
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
             raise ValueError(
                 f"the text is not valid Unicode: {e.reason} at character {e.start}"
             ) from None
+        if max_tokens is not None and (at_least := self.min_tokens(text)) > max_tokens:
+            raise TooManyTokens(at_least, exact=False)
         (encoding,) = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
-        return encoding.ids
+        count = len(encoding)
+        ids = encoding.ids if max_tokens is None or count <= max_tokens else None
+        del encoding
+        if len(text) >= _TRIM_AFTER_CHARS and _malloc_trim is not None:
+            _malloc_trim(0)  # a ctypes call: the GIL is released meanwhile
+        if ids is None:
+            raise TooManyTokens(count, exact=True)
+        return ids
+
+    def min_tokens(self, text: str) -> int:
+        """How many tokens ``text`` has at least, from its length alone (0 where the vocabulary
+        bounds no token's length)."""
+        if self.max_token_chars is None:
+            return 0
+        return -(-len(text) // self.max_token_chars)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -201,14 +286,18 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        max_tokens: int | None = None,
     ) -> list[int]:
-        """The rendered chat as ids, with exactly one BOS when the model wants one.
+        """The rendered chat as ids, with exactly one BOS when the model wants one; raises
+        TooManyTokens as ``encode`` does.
 
         Templates usually write the BOS themselves, so the text is encoded without special
         tokens; one is prepended only when the tokenizer adds BOS and the template did not.
         """
         text = self.apply_chat_template(messages, add_generation_prompt, tools)
-        ids = self.encode(text, False)
+        ids = self.encode(text, False, max_tokens)
         if self._adds_bos and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise TooManyTokens(len(ids), exact=True)
         return ids

@@ -22,6 +22,7 @@ from engine.async_engine import EngineRequest
 from engine.core.errors import QueueFullError, RequestError
 from engine.core.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.core.sampling_params import SamplingParams
+from models.tokenizer import TooManyTokens
 from server.args import ServerArgs
 from server.guard import Guard
 from server.protocol import (
@@ -387,7 +388,9 @@ class OpenAIServer:
         add_generation_prompt: bool = True,
         tools: list[ToolDefinition] | None = None,
         tool_plan: ToolPlan | None = None,
+        max_tokens: int | None = None,
     ) -> list[int]:
+        """The chat's prompt ids; past ``max_tokens``, TooManyTokens (``Tokenizer.encode``)."""
         tok = self.tokenizer("messages")
         if not tok.has_chat_template:
             message = "This model has no chat template; use /v1/completions."
@@ -396,15 +399,21 @@ class OpenAIServer:
         rendered = template_messages(messages, tool_plan, takes_tools)
         specs = [t.model_dump(exclude_none=True) for t in tools] if tools and takes_tools else None
         try:
-            return tok.encode_chat(rendered, add_generation_prompt, specs)
+            return tok.encode_chat(rendered, add_generation_prompt, specs, max_tokens=max_tokens)
         except ValueError as e:  # the template's own checks, e.g. roles out of order
             raise RequestError(str(e), param="messages") from e
 
-    def text_prompt(self, prompt: str | list[int]) -> list[int]:
+    def text_prompt(
+        self,
+        prompt: str | list[int],
+        add_special_tokens: bool = True,
+        max_tokens: int | None = None,
+    ) -> list[int]:
+        """The prompt's ids; past ``max_tokens``, TooManyTokens (``Tokenizer.encode``)."""
         if not isinstance(prompt, str):
             return list(prompt)
         try:
-            return self.tokenizer("prompt").encode(prompt)
+            return self.tokenizer("prompt").encode(prompt, add_special_tokens, max_tokens)
         except ValueError as e:  # not valid Unicode
             raise RequestError(f"The prompt cannot be tokenized: {e}.", param="prompt") from e
 
@@ -854,20 +863,28 @@ class OpenAIServer:
     # -- tokenizer endpoints --
 
     def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        """At most max_model_len tokens, as a prompt to generate from: a longer text is refused
+        with no more work than it takes to know (from its length where that is enough), so the
+        work, the answer and the memory of one request stay bounded by the model, not by the
+        body limit."""
         self.check_model(req.model)
-        if req.messages is not None:
-            # The ids exactly as the chat endpoint would see them.
-            ids = self.chat_prompt(req.messages, req.add_generation_prompt)
-        else:
-            try:
-                ids = self.tokenizer("prompt").encode(req.prompt, req.add_special_tokens)
-            except ValueError as e:  # not valid Unicode
-                message = f"The prompt cannot be tokenized: {e}."
-                raise RequestError(message, param="prompt") from e
+        limit = self.engine.max_model_len
+        param = "prompt" if req.messages is None else "messages"
+        try:
+            if req.messages is not None:
+                # The ids exactly as the chat endpoint would see them.
+                ids = self.chat_prompt(req.messages, req.add_generation_prompt, max_tokens=limit)
+            else:
+                ids = self.text_prompt(req.prompt, req.add_special_tokens, limit)
+        except TooManyTokens as e:
+            message = (
+                f"This model's maximum context length is {limit} tokens, and /tokenize counts "
+                f"no further. However, your {param} has {e}. Please reduce the length of the "
+                f"{param}."
+            )
+            raise RequestError(message, param=param, code="context_length_exceeded") from None
         strs = [self.token_text(t) for t in ids] if req.return_token_strs else None
-        return TokenizeResponse(
-            tokens=ids, count=len(ids), max_model_len=self.engine.max_model_len, token_strs=strs
-        )
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=limit, token_strs=strs)
 
     def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(req.model)

@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
-from tokenizers import AddedToken, pre_tokenizers, processors
+from tokenizers import AddedToken, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models as tk_models
 
-from models.tokenizer import Tokenizer
+from models.tokenizer import Tokenizer, TooManyTokens
 
 ALIASES = {
     "smollm2": "smollm2-135m-instruct",
@@ -247,3 +247,58 @@ def test_qwen2_template_renders_tools_and_tool_turns_as_transformers(qwen05_dir)
     assert "<tools>" in text and '"name": "get_weather"' in text
     assert "<tool_call>" in text and "<tool_response>\n18 C and sunny" in text
     assert tok.eos_token_ids == (151645, 151643)
+
+
+# ---- a bound on tokens from a text's length alone ----
+
+
+def test_encode_refuses_past_max_tokens_from_the_length_or_the_count(tmp_path):
+    tok = Tokenizer.from_dir(_write_folder(tmp_path, PLAIN_TEMPLATE, add_bos=False))
+    assert tok.max_token_chars == len("<turn>")  # the longest entry, an added token
+    text = "hi" * 100  # 100 tokens; its 200 characters show at least ceil(200 / 6) = 34
+    assert tok.min_tokens(text) == 34 <= len(tok.encode(text))
+    assert tok.encode(text, max_tokens=100) == tok.encode(text)
+    with pytest.raises(TooManyTokens) as counted:
+        tok.encode(text, max_tokens=99)
+    assert (counted.value.count, counted.value.exact) == (100, True)
+    with pytest.raises(TooManyTokens) as guessed:
+        tok.encode(text, max_tokens=33)
+    assert (guessed.value.count, guessed.value.exact) == (34, False)
+    chat = [{"role": "user", "content": text}]  # <turn>, 100 tokens, <turn>
+    assert len(tok.encode_chat(chat, max_tokens=102)) == 102
+    with pytest.raises(TooManyTokens):
+        tok.encode_chat(chat, max_tokens=101)
+
+
+@pytest.mark.parametrize(
+    "normalizer, pre_tokenizer",
+    [
+        (normalizers.NFC(), None),  # composes characters: a text may shorten before it is split
+        (normalizers.Strip(), None),
+        (None, pre_tokenizers.WhitespaceSplit()),  # drops the whitespace between words
+        (None, pre_tokenizers.Split(" ", behavior="removed")),
+    ],
+)
+def test_no_length_bound_where_text_can_vanish_before_it_is_split(
+    tmp_path, normalizer, pre_tokenizer
+):
+    folder = _write_folder(tmp_path, PLAIN_TEMPLATE, add_bos=False)
+    hf = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    if normalizer is not None:
+        hf.normalizer = normalizer
+    if pre_tokenizer is not None:
+        hf.pre_tokenizer = pre_tokenizer
+    hf.save(str(folder / "tokenizer.json"))
+    tok = Tokenizer.from_dir(folder)
+    assert tok.max_token_chars is None and tok.min_tokens("hi " * 1000) == 0
+
+
+@pytest.mark.slow
+def test_min_tokens_never_exceeds_smollm2s_count(smollm2_dir):
+    tok = Tokenizer.from_dir(smollm2_dir)
+    assert tok.max_token_chars is not None
+    longest = max(tok._tok.get_vocab(with_added_tokens=True), key=len)
+    runs = [" " * 5000, "\n" * 3000, "-" * 4000, "1" * 2000, "ab" * 3000, longest * 50]
+    for text in TEXTS + runs + ["".join(TEXTS) * 20]:
+        for special in (True, False):
+            assert tok.min_tokens(text) <= len(tok.encode(text, special)), text[:40]

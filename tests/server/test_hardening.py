@@ -234,6 +234,14 @@ def test_large_bodies_are_refused_or_tokenized_off_the_event_loop(smol, canary_t
     text = "The quick brown fox jumps over the lazy dog. " * 50_000
     r, _ = timed_post(url, {"prompt": text, "max_tokens": 1})
     assert "maximum context length" in assert_error(r, 400)["message"]
+    # /tokenize counts to max_model_len: a text far past it is refused from its length alone,
+    # and a chat of more messages than OpenAI takes before they are all validated.
+    chat = [{"role": "user", "content": "hi"}] * 60_000
+    for body in ({"prompt": "1" * 3_000_000, "return_token_strs": True}, {"messages": chat}):
+        start = time.monotonic()
+        r = httpx.post(url + "/tokenize", json=body, timeout=120)
+        assert time.monotonic() - start < ANSWER_S
+        assert_error(r, 400, next(iter(body)))
     assert canary.finish().text.startswith(canary_text)
     assert canary.max_gap < CANARY_GAP_S
 

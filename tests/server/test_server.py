@@ -382,6 +382,37 @@ def test_models_health_and_tokenizer_endpoints(client, served):
     assert back["prompt"] == PROMPT
 
 
+@pytest.mark.slow
+def test_tokenize_counts_up_to_max_model_len_and_refuses_past_it_naming_the_field(served):
+    from server.protocol import MAX_MESSAGES
+    from tests.server.test_server_errors import assert_error
+
+    _, url = served
+
+    def post(path: str = "/tokenize", **body) -> httpx.Response:
+        return httpx.post(url + path, json=body, timeout=60)
+
+    # SmolLM2 splits digits one by one and adds no BOS: n digits are n tokens.
+    r = post(prompt="1" * MAX_MODEL_LEN, return_token_strs=True)
+    assert r.status_code == 200, r.text
+    assert r.json()["count"] == MAX_MODEL_LEN and r.json()["token_strs"] == ["1"] * MAX_MODEL_LEN
+    error = assert_error(post(prompt="1" * (MAX_MODEL_LEN + 1)), 400, "prompt")
+    assert error["code"] == "context_length_exceeded"
+    assert f"is {MAX_MODEL_LEN} tokens" in error["message"]
+    assert f"has {MAX_MODEL_LEN + 1} tokens" in error["message"]
+    # Far past it, refused from its length alone: no token spans that many characters.
+    error = assert_error(post(prompt="1" * 4_000_000, return_token_strs=True), 400, "prompt")
+    assert error["code"] == "context_length_exceeded" and "at least" in error["message"]
+    chat = [{"role": "user", "content": "1" * 100}] * 6
+    error = assert_error(post(messages=chat), 400, "messages")
+    assert error["code"] == "context_length_exceeded"
+    # As OpenAI, a chat of more messages than it takes is refused as its body is validated.
+    chat = [{"role": "user", "content": "hi"}] * (MAX_MESSAGES + 1)
+    for r in (post(messages=chat), post("/v1/chat/completions", messages=chat, max_tokens=1)):
+        error = assert_error(r, 400, "messages")
+        assert f"maximum length {MAX_MESSAGES}, but got an array with length" in error["message"]
+
+
 # ---- the command line ----
 
 
