@@ -879,8 +879,8 @@ class OpenAIServer:
         except TooManyTokens as e:
             message = (
                 f"This model's maximum context length is {limit} tokens, and /tokenize counts "
-                f"no further. However, your {param} has {e}. Please reduce the length of the "
-                f"{param}."
+                f"no further. However, `{param}` is {e} long. Please reduce the length of "
+                f"`{param}`."
             )
             raise RequestError(message, param=param, code="context_length_exceeded") from None
         strs = [self.token_text(t) for t in ids] if req.return_token_strs else None

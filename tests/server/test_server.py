@@ -399,7 +399,7 @@ def test_tokenize_counts_up_to_max_model_len_and_refuses_past_it_naming_the_fiel
     error = assert_error(post(prompt="1" * (MAX_MODEL_LEN + 1)), 400, "prompt")
     assert error["code"] == "context_length_exceeded"
     assert f"is {MAX_MODEL_LEN} tokens" in error["message"]
-    assert f"has {MAX_MODEL_LEN + 1} tokens" in error["message"]
+    assert f"`prompt` is {MAX_MODEL_LEN + 1} tokens long" in error["message"]
     # Far past it, refused from its length alone: no token spans that many characters.
     error = assert_error(post(prompt="1" * 4_000_000, return_token_strs=True), 400, "prompt")
     assert error["code"] == "context_length_exceeded" and "at least" in error["message"]
