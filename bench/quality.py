@@ -627,18 +627,24 @@ def kv_dtype_costs(
     The reference keeps a float32 row of the vocabulary per position of ``rows``.
     """
     reference = reference_run(base, tokens, rows)
-    full = Policy("full context", None)
     costs = {}
     for kv in kv_dtypes:
         args = dataclasses.replace(base, kv_cache_dtype=kv)
-        (r,) = score(args, tokens, [full], len(tokens), reference=reference)
-        positions = reference.positions
-        d = r.divergence(positions.start, positions.stop)
-        nll = r.nll[positions.start - 1 : positions.stop - 1]
-        costs[kv] = KVDtypeCost(
-            kv, r.kv_dtype, d.rows, float(math.exp(nll.mean())), d.kld_mean, d.kld_p99, d.top1
-        )
+        r, cost = full_context_cost(args, tokens, reference)
+        costs[kv] = KVDtypeCost(kv, r.kv_dtype, *cost)
     return costs
+
+
+def full_context_cost(
+    args: EngineArgs, tokens: Sequence[int], reference: Reference
+) -> tuple[QualityResult, tuple[int, float, float, float, float]]:
+    """``tokens`` read in one context with ``args``, against ``reference`` at its positions:
+    the result, and (rows, perplexity, mean KLD, 99th-percentile KLD, top-1 agreement)."""
+    (r,) = score(args, tokens, [Policy("full context", None)], len(tokens), reference=reference)
+    positions = reference.positions
+    d = r.divergence(positions.start, positions.stop)
+    nll = r.nll[positions.start - 1 : positions.stop - 1]
+    return r, (d.rows, float(math.exp(nll.mean())), d.kld_mean, d.kld_p99, d.top1)
 
 
 # --- texts --------------------------------------------------------------------------------
