@@ -1121,6 +1121,13 @@ def install_response_routes(app: FastAPI, server: OpenAIServer) -> None:
         raise RequestError(message, param="response_id")
 
 
+def probe_answer(reason: str | None, failing: str) -> Response:
+    """A probe's answer: 200 ok, or 503 saying why not (``reason``) after ``failing``."""
+    if reason is not None:
+        return error_response(503, f"{failing}: {reason}.")
+    return Response('{"status":"ok"}', media_type="application/json")
+
+
 def build_app(
     engine: AsyncEngine, args: ServerArgs | None = None, extra_model_names: Iterable[str] = ()
 ) -> FastAPI:
@@ -1143,17 +1150,11 @@ def build_app(
     # whether to send it traffic (readiness). A slow server is alive: only /ready turns 503.
     @app.get("/health")
     async def health() -> Response:
-        reason = server.liveness()
-        if reason is not None:
-            return error_response(503, f"Unhealthy: {reason}.")
-        return Response('{"status":"ok"}', media_type="application/json")
+        return probe_answer(server.liveness(), "Unhealthy")
 
     @app.get("/ready")
     async def ready() -> Response:
-        reason = server.readiness()
-        if reason is not None:
-            return error_response(503, f"Not ready: {reason}.")
-        return Response('{"status":"ok"}', media_type="application/json")
+        return probe_answer(server.readiness(), "Not ready")
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
