@@ -277,7 +277,7 @@ def decoder_layers(
     )  # fmt: skip
 
 
-def int8_peak(iterations: int = 2_000_000, isa: str | None = None) -> float:
+def int8_peak(iterations: int = 20_000_000, isa: str | None = None) -> float:
     """Byte multiply-adds per second this machine does on torch's threads, with the multiply
     instruction the ``isa`` build's products use, from registers (no memory): their ceiling."""
     return ops(isa).int8_peak(iterations)
