@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from engine import LLM
+from engine import LLM, SamplingParams
 from engine.args import EngineArgs
 from engine.core.config import GIB
 from engine.worker.memory import MemoryProfile, dummy_lengths
@@ -78,14 +78,27 @@ def test_profile_run_steps_every_layout_at_the_largest_size(tmp_path, monkeypatc
     assert runner.kv_caches == [] and runner.cache_config is None  # the pool is freed
 
 
+def serve_four_long_prompts(llm: LLM) -> None:
+    """Four prompts of 1,000 tokens through the engine's offline API, to their end."""
+    outs = llm.generate(
+        [[5] * 1000 for _ in range(4)], SamplingParams(max_tokens=4, ignore_eos=True)
+    )
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4] * 4
+
+
+def test_the_long_prompts_of_the_gpu_profile_test_serve_on_the_cpu(tmp_path):
+    """The GPU test below runs where no CI does: its calls into the engine run here too."""
+    save_tiny_llama(tmp_path, max_position_embeddings=2048)
+    serve_four_long_prompts(LLM(str(tmp_path), device="cpu", max_num_batched_tokens=4096))
+
+
 @cuda
 def test_engine_sized_by_the_profile_fits_its_share(tmp_path):
-    save_tiny_llama(tmp_path)
+    save_tiny_llama(tmp_path, max_position_embeddings=2048)
     free, total = torch.cuda.mem_get_info()
     llm = LLM(str(tmp_path), device="cuda", gpu_memory_utilization=0.5, max_num_batched_tokens=4096)
     torch.cuda.reset_peak_memory_stats()
-    prompts = [[5] * 1000 for _ in range(4)]
-    llm.generate(prompts, max_tokens=4)
+    serve_four_long_prompts(llm)
     used = total - torch.cuda.mem_get_info()[0] - (total - free)
     assert torch.cuda.max_memory_allocated() <= 0.5 * total
     assert used <= 0.5 * total
