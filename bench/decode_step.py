@@ -7,8 +7,10 @@ Random-weight bf16 checkpoints at real shapes (built with transformers, so nothi
 downloaded). Per model, batch and mode: ms per decode step ((time of prompt + N tokens - time of
 prompt + 1 token) / (N - 1), medians), output tokens/s, host launches per decode step (CUDA
 runtime launch calls seen by the profiler; a graph replay is one), and the roofline: weight bytes
-plus the step's K/V bytes over the device's measured read bandwidth. Greedy tokens of the two
-modes are compared.
+plus the step's K/V bytes over the device's measured read bandwidth. The two modes read the same
+prompts without a prefix cache (a cached prefix would make the second mode's prefill another
+computation), and their greedy tokens and those tokens' logprobs must be equal, bit for bit:
+the command exits 1 when they are not.
 """
 
 from __future__ import annotations
@@ -70,12 +72,14 @@ class Row:
 
 
 def _generate(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float, list]:
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    """Seconds, and per prompt its greedy tokens with their logprobs."""
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=0)
     torch.cuda.synchronize()
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     torch.cuda.synchronize()
-    return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
+    chosen = [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
+    return time.perf_counter() - start, chosen
 
 
 def step_ms(llm: LLM, prompts: list[list[int]], tokens: int, repeats: int) -> tuple[float, list]:
@@ -112,15 +116,17 @@ def roofline_ms(llm: LLM, batch: int, context: int, bandwidth: float) -> float:
 def bench_model(name: str, args, folder: Path, bandwidth: float) -> tuple[list[Row], bool]:
     path = build_checkpoint(name, folder)
     vocab = SHAPES[name][2]["vocab_size"]
-    gen = torch.Generator().manual_seed(0)
     rows, tokens_by_mode = [], {}
     for mode in ("eager", "graphs"):
         llm = LLM(
             str(path), dtype="bfloat16", max_model_len=args.prompt + args.tokens + 16,
             max_num_seqs=max(args.batch), max_num_batched_tokens=max(2048, args.prompt),
             enforce_eager=mode == "eager", kv_cache_memory_gib=args.kv_gib,
+            enable_prefix_caching=False,
         )  # fmt: skip
         for batch in args.batch:
+            # The same prompts in both modes.
+            gen = torch.Generator().manual_seed(batch)
             prompts = [torch.randint(3, vocab, (args.prompt,), generator=gen).tolist()] * batch
             _generate(llm, prompts, 4)  # warm-up: kernels compiled
             ms, ids = step_ms(llm, prompts, args.tokens, args.repeats)
@@ -149,8 +155,8 @@ def markdown(rows: list[Row], same: dict[str, bool], bandwidth: float) -> str:
             f"| {r.launches_per_step:.0f} | {r.roofline_ms:.3f} | {frac:.0%} |"
         )
     lines.append(f"\nRead bandwidth (a sum over 1 GiB): {bandwidth / 1e9:.0f} GB/s.")
-    lines += [f"- {m}: greedy tokens of eager and graphs {'equal' if s else 'DIFFER'}"
-              for m, s in same.items()]  # fmt: skip
+    lines += [f"- {m}: greedy tokens and their logprobs of eager and graphs "
+              f"{'equal' if s else 'DIFFER'}" for m, s in same.items()]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -189,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         args.out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
         header = "\n".join(f"- {k}: {v}" for k, v in meta.items())
         args.out.with_suffix(".md").write_text(f"# Engine decode step\n\n{header}\n\n{table}\n")
+    if not all(same.values()):
+        print("eager and graphs decode differently", file=sys.stderr)
+        return 1
     return 0
 
 
