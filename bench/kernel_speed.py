@@ -111,14 +111,16 @@ class Case:
         return self.tables[:, torch.arange(width, device=self.tables.device) % self.tables.shape[1]]
 
     def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense K/V of the attended positions: [B, Hkv, L, D]."""
+        """Dense K/V of the attended positions in the query's dtype (what a dense-cache
+        baseline reads): [B, Hkv, L, D]."""
         s = self.shape
         pos = torch.arange(s.context - s.attended, s.context, device=self.q.device)
         ks, vs = [], []
         for table in self.tables:
             ks.append(reference.gather_cache(self.k_cache, table, pos, s.window))
             vs.append(reference.gather_cache(self.v_cache, table, pos, s.window))
-        return torch.stack(ks).transpose(1, 2), torch.stack(vs).transpose(1, 2)
+        dtype = self.q.dtype
+        return torch.stack(ks).transpose(1, 2).to(dtype), torch.stack(vs).transpose(1, 2).to(dtype)
 
 
 def build_case(shape: Shape, block_size: int, dtype: torch.dtype, device: str) -> Case:
@@ -305,16 +307,25 @@ class Row:
 
 
 def _time_baseline(
-    timer: Timer, make: Callable[[], Callable[[], torch.Tensor]], expected: torch.Tensor
+    timer: Timer,
+    make: Callable[[], Callable[[], torch.Tensor]],
+    expected: torch.Tensor,
+    required: bool = False,
 ) -> tuple[float | None, str]:
-    """Seconds, or None and why; a baseline that disagrees with the kernel is flagged."""
+    """Seconds, or None and why; a baseline that disagrees with the kernel is flagged. A
+    ``required`` one (torch's own, always installed) that cannot run raises: its column must
+    not go silently empty."""
     try:
         fn = make()
         diff = (fn().float() - expected.float()).abs().max().item()
         seconds = timer(fn)
     except ImportError:
+        if required:
+            raise
         return None, ""
-    except Exception as exc:  # a baseline that cannot run this shape is reported, not fatal
+    except Exception as exc:  # a peer's baseline that cannot run this shape is reported
+        if required:
+            raise RuntimeError(f"the SDPA baseline failed on {expected.shape}: {exc}") from exc
         return None, f"{exc.__class__.__name__}: {(str(exc).splitlines() or [''])[0][:80]}"
     tol = 2e-2 if expected.dtype in (torch.bfloat16, torch.float16) else 1e-4
     return seconds, "" if diff <= tol else f"differs from the kernel by {diff:.2g}"
@@ -341,7 +352,10 @@ def bench_shape(
     notes = []
     baselines = {}
     for name, make in (("sdpa", _sdpa), ("flashinfer", _flashinfer), ("flash_attn", _flash_attn)):
-        baselines[name], note = _time_baseline(timer, lambda make=make: make(case), expected)
+        required = name == "sdpa"
+        baselines[name], note = _time_baseline(
+            timer, lambda make=make: make(case), expected, required
+        )
         if note:
             notes.append(f"{name}: {note}")
     return Row(

@@ -511,4 +511,5 @@ def test_bench_smoke_runs_and_writes_both_copies(tmp_path, capsys):
     assert "differs" not in table  # SDPA over the gathered K/V agrees with the kernel
     record = json.loads((tmp_path / "smoke.json").read_text())
     assert len(record["rows"]) == len(bench.smoke_shapes())
+    assert all(row["sdpa_us"] is not None for row in record["rows"])  # the column is filled
     assert "| shape |" in (tmp_path / "smoke.md").read_text()
