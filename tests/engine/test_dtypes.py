@@ -4,6 +4,8 @@ library runs the model's layers, and the backend and the start-up log take that 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -67,13 +69,11 @@ def test_every_dtype_serves_greedy_as_transformers_does(
     assert getattr(runner.backend, "model_kernels", False) == (off is None)
 
     results = generate_with_logits(llm, PROMPTS, monkeypatch, MAX_TOKENS)
-    oracle = model.to(device=device, dtype=getattr(torch, dtype))
-    try:
-        for prompt, (tokens, logits) in zip(PROMPTS, results):
-            with torch.no_grad():
-                ids = torch.tensor([prompt + tokens[:-1]], device=device)
-                ref = oracle(ids).logits[0, len(prompt) - 1 :].float().cpu()
-            assert (logits - ref).abs().max().item() < TOL[dtype]
-            assert_greedy_as(tokens, ref, TOL[dtype])
-    finally:
-        model.to(device="cpu", dtype=torch.float32)
+    # A copy: casting the shared model down and back would round its float32 weights.
+    oracle = copy.deepcopy(model).to(device=device, dtype=getattr(torch, dtype))
+    for prompt, (tokens, logits) in zip(PROMPTS, results):
+        with torch.no_grad():
+            ids = torch.tensor([prompt + tokens[:-1]], device=device)
+            ref = oracle(ids).logits[0, len(prompt) - 1 :].float().cpu()
+        assert (logits - ref).abs().max().item() < TOL[dtype]
+        assert_greedy_as(tokens, ref, TOL[dtype])
