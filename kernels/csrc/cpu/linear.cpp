@@ -217,7 +217,7 @@ int64_t chunk_rows(const Matrix& m, int64_t M) {
 static void part_rows(const Part& p, const Rows& in, int64_t K, int64_t r0, int64_t r1, float* y,
                int64_t ldy) {
   const QuantPart q{static_cast<const uint8_t*>(p.w), p.row_bytes, p.type};
-  if (p.type != 0 && in.M > QFEW && tiles_read(p.type)) {
+  if (p.type != 0 && in.M > few_rows(p.type) && tiles_read(p.type)) {
     quant_tiles(q, in.xp, in.M, r0, r1, y, ldy, in.scratch);
   } else if (p.type != 0) {
     quant_rows(q, in.xq, in.M, r0, r1, y, ldy);

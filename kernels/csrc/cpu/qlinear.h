@@ -62,10 +62,14 @@ struct QPanels {
 
 void pack_panels(const QRows& xq, int64_t M, const QPanels& xp);
 
-// Up to this many input rows, block-format products go a weight row at a time against the
-// rows (quant_rows); more go through weight rows unpacked once and register tiles
-// (quant_tiles), which cost less per input row.
-constexpr int64_t QFEW = 5;
+// Up to few_rows(type) input rows, a part of GGML type `type` goes a weight row at a time
+// against the rows (quant_rows); more go through weight rows unpacked once and register tiles
+// (quant_tiles), which cost less per input row from there on (bench.qgemm: from 5 rows for the
+// 32-value formats, whose rows pay a float scale per 32 values, from 6 for the K formats, whose
+// integer sub-scales keep a row's products in integers over 64). QFEW, the fewest of those,
+// decides whether the input is packed for tiles at all.
+constexpr int64_t QFEW = 4;
+int64_t few_rows(int64_t type);
 
 // Bytes of weight rows requested into L2 ahead of the row being multiplied or unpacked. A row
 // is short (864 bytes for 1536 Q4_K values) and its products take long enough that the

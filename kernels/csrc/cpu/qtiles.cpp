@@ -125,6 +125,8 @@ int64_t unpack_bytes(int64_t K) { return UNPACK_ROWS * (K + K / 16 * 8); }
 
 bool tiles_read(int64_t type) { return type != Q8_0::TYPE || FULL_BYTE_DOTS; }
 
+int64_t few_rows(int64_t type) { return block_values(type) == 256 ? 5 : QFEW; }
+
 void pack_panels(const QRows& xq, int64_t M, const QPanels& xp) {
   const int64_t K = xq.K, nu = K / 32;
   for (int64_t g = 0; g < xp.panels; ++g)
