@@ -93,11 +93,11 @@ def test_half_precision_serves_greedy_as_transformers_at_that_dtype(smollm2_dir,
     chat = llm.tokenizer.encode_chat(
         [{"role": "user", "content": "What is the capital of France?"}]
     )
-    prompts = [chat] + [llm.tokenizer.encode(p) for p in PROMPTS[:3]]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    prompts = [chat, llm.tokenizer.encode(PROMPTS[1])]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     for ids, out in zip(prompts, outs):
         tokens = out.outputs[0].token_ids
-        assert out.outputs[0].error is None and len(tokens) == 24
+        assert out.outputs[0].error is None and len(tokens) == 16
         with torch.no_grad():
             ref = hf(torch.tensor([ids + tokens[:-1]])).logits[0, len(ids) - 1 :]
         # bfloat16 logits near 25 are 0.125 apart: ties within two steps of the rounding pass.
