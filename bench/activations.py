@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bench import quality
-from bench.qgemm import cpu_model
+from bench.cpu import cpu_model
 from engine.args import EngineArgs
 from kernels import cpu
 from models.fetch import resolve_model

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from datetime import datetime, timezone
@@ -25,19 +24,12 @@ from pathlib import Path
 
 import torch
 
-from bench.cpu import box_bandwidth
+from bench.cpu import box_bandwidth, cpu_model
 from kernels import cpu
 from kernels.quant import random_blocks
 from kernels.weights import FORMATS, Weight
 
 ROWS = (1, 2, 4, 8, 16, 64, 512)
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.partition(":")[2].strip()
-    return platform.processor()
 
 
 def median_seconds(fn, repeats: int, budget_s: float = 1.0) -> float:

@@ -290,15 +290,19 @@ class Grammars:
             self.ended.add(request_id)
 
 
+def _allowed_bits(row: np.ndarray, vocab_size: int) -> np.ndarray:
+    """A mask row (int32 words, bit set = allowed) as one byte per token, 1 = allowed."""
+    return np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab_size]
+
+
 def allowed_tokens(row: np.ndarray, vocab_size: int) -> list[int]:
-    """The token ids a mask row (int32 words, bit set = allowed) allows."""
-    bits = np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab_size]
-    return np.flatnonzero(bits).tolist()
+    """The token ids a mask row allows."""
+    return np.flatnonzero(_allowed_bits(row, vocab_size)).tolist()
 
 
 def allows_any_but(row: np.ndarray, banned: list[int], vocab_size: int) -> bool:
     """Whether a mask row allows some token outside ``banned``."""
-    bits = np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab_size]
+    bits = _allowed_bits(row, vocab_size)
     bits[[t for t in banned if 0 <= t < vocab_size]] = 0
     return bool(bits.any())
 
