@@ -35,7 +35,7 @@ from torch import nn
 from kernels import reference
 from kernels.launch import Launch
 from kernels.rotary import RopeLayout, delta_cos_sin, rotate_reference
-from kernels.weights import DecoderLayerWeights
+from kernels.weights import DecoderLayerWeights, Weight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # a layer's (k_cache, v_cache); v may view k (MLA)
 
@@ -325,19 +325,26 @@ class CpuBackend(TorchBackend):
         formats instead of dequantizing them at every call."""
         if not self.model_kernels:
             return 0
-        from kernels.quant import QuantLinear
+        from kernels.quant import QuantEmbedding, QuantLinear
 
-        swapped = 0
+        swapped, repacked = 0, {}
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear) and self._cpu.usable(child.weight):
                     fast = self._cpu.FastLinear.of_linear(child.weight, child.bias)
                 elif isinstance(child, QuantLinear) and self._fits(child.parts):
-                    fast = self._cpu.FastLinear(child.parts)
+                    fast = self._cpu.FastLinear(self._cpu.repacked(child.parts, repacked))
                 else:
                     continue
                 setattr(parent, name, fast)
                 swapped += 1
+        # An embedding tied to a repacked head reads the head's copy: one copy, not two.
+        for module in model.modules():
+            if isinstance(module, QuantEmbedding):
+                stored = module.stored
+                key = (stored.data.data_ptr(), tuple(stored.data.shape))
+                if key in repacked:
+                    module.adopt(Weight(repacked[key], None, stored.format, packed=True))
         return swapped
 
     def _fits(self, parts) -> bool:

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.kv_quant import KV_DTYPES, value_dim
-from kernels.weights import DecoderLayerWeights, Parts, Weight
+from kernels.weights import PACK_ROWS, PACKED, DecoderLayerWeights, Parts, Weight
 
 SOURCES = Path(__file__).with_name("csrc") / "cpu"
 FLAGS = ["-O3", "-fopenmp", "-Wall", "-Wextra"]
@@ -190,6 +190,35 @@ def linear(x: torch.Tensor, parts: Parts | Weight, isa: str | None = None) -> to
     )
 
 
+def repacked(parts: Parts, done: dict | None = None) -> Parts:
+    """The block-format parts of a matrix repacked for the products (``csrc/cpu/qpacked.h``),
+    where every part has a multiple of ``PACK_ROWS`` rows (the chunks the threads take then
+    start on a group of every part); else the parts as they are. ``done`` maps a tensor already
+    repacked (a tied embedding's, say) to its repacked copy, which is then shared, not made
+    again."""
+    parts = _as_parts(parts)
+    if any(p.out_features % PACK_ROWS for p in parts):
+        return parts
+    done = {} if done is None else done
+    out = []
+    for p in parts:
+        if p.format == "dense" or p.packed:
+            out.append(p)
+            continue
+        key = (p.data.data_ptr(), tuple(p.data.shape))
+        if key not in done:
+            done[key] = ops().repack(p.data.contiguous(), p.type_id)
+        out.append(Weight(done[key], p.bias, p.format, packed=True))
+    return tuple(out)
+
+
+def dequantize_packed(w: Weight, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``ids`` (all for None) of a repacked weight as float32 [len(ids), in]."""
+    if ids is None:
+        ids = torch.arange(w.out_features)
+    return ops().dequantize_packed(w.data, w.type_id - PACKED, ids)
+
+
 def decode_attention(
     q,
     k_cache,
@@ -323,6 +352,7 @@ class FastLinear(nn.Module):
         self.max_rows = max_rows
         self._names = tuple(names or ((f"data{i}", f"bias{i}") for i in range(len(parts))))
         self.formats = tuple(p.format for p in parts)
+        self.packed = tuple(p.packed for p in parts)
         for (data, bias), p in zip(self._names, parts):
             for name, t in ((data, p.data), (bias, p.bias)):
                 if names is not None or isinstance(t, nn.Parameter):
@@ -338,8 +368,8 @@ class FastLinear(nn.Module):
     @property
     def parts(self) -> Parts:
         return tuple(
-            Weight(getattr(self, data), getattr(self, bias), fmt)
-            for (data, bias), fmt in zip(self._names, self.formats)
+            Weight(getattr(self, data), getattr(self, bias), fmt, packed)
+            for (data, bias), fmt, packed in zip(self._names, self.formats, self.packed)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -26,9 +26,20 @@ def ggml_type(fmt: str) -> GGMLQuantizationType:
 
 def dequantize(w: Weight) -> torch.Tensor:
     """The float32 [out, in] matrix of a stored weight (the reference)."""
+    return dequantize_rows(w, None)
+
+
+def dequantize_rows(w: Weight, ids: torch.Tensor | None) -> torch.Tensor:
+    """Rows ``ids`` (all for None) of a stored weight as float32 [len(ids), in]: by gguf-py from
+    the file's layout, by the CPU kernels that made it from a repacked one."""
     if w.format == "dense":
-        return w.data.float()
-    rows = gguf_dequantize(w.data.cpu().numpy(), ggml_type(w.format))
+        return (w.data if ids is None else w.data[ids]).float()
+    if w.packed:
+        from kernels import cpu
+
+        return cpu.dequantize_packed(w, ids)
+    data = w.data if ids is None else w.data[ids]
+    rows = gguf_dequantize(data.cpu().numpy(), ggml_type(w.format))
     return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)).to(w.data.device)
 
 
@@ -118,14 +129,21 @@ class QuantEmbedding(nn.Module):
 
     def __init__(self, weight: Weight, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.format, self.dtype = weight.format, dtype
+        self.format, self.dtype, self.packed = weight.format, dtype, weight.packed
         self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
         self.register_buffer("data", weight.data)
 
     @property
     def stored(self) -> Weight:
-        return Weight(self.data, None, self.format)
+        return Weight(self.data, None, self.format, self.packed)
+
+    def adopt(self, weight: Weight) -> None:
+        """Read ``weight`` from now on: the same matrix in another layout (a tied LM head's,
+        repacked), so that the two share one copy."""
+        if (weight.format, weight.data.shape) != (self.format, self.data.shape):
+            raise ValueError("an embedding adopts only its own matrix")
+        self.data, self.packed = weight.data, weight.packed
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = Weight(self.data[ids.reshape(-1)], None, self.format)
-        return dequantize(rows).to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+        rows = dequantize_rows(self.stored, ids.reshape(-1))
+        return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)

@@ -45,11 +45,22 @@ FORMATS = {
 QUANTIZABLE = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 
 
+# Rows a block-format matrix is repacked in for the CPU kernels (``kernels.cpu.repacked``):
+# groups of PACK_ROWS rows, each block of a group interleaving its rows' values (the layout is
+# described in csrc/cpu/qpacked.h). The C++ kernels take a repacked part's GGML type plus PACKED.
+PACK_ROWS = 8
+PACKED = 256
+
+
 @dataclass(frozen=True)
 class Weight:
+    """``packed``: a block-format matrix repacked for the CPU kernels (same bytes and shape,
+    another order), which only they and ``kernels.quant.dequantize`` read."""
+
     data: torch.Tensor
     bias: torch.Tensor | None = None
     format: str = "dense"
+    packed: bool = False
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -62,6 +73,8 @@ class Weight:
             raise ValueError(
                 f"a {self.format} weight is uint8 [out, a multiple of {spec.block_bytes} bytes]"
             )
+        if self.packed and (self.format == "dense" or self.data.shape[0] % PACK_ROWS):
+            raise ValueError(f"only block formats of a multiple of {PACK_ROWS} rows are repacked")
 
     @property
     def out_features(self) -> int:
@@ -76,7 +89,7 @@ class Weight:
 
     @property
     def type_id(self) -> int:
-        return FORMATS[self.format].type_id
+        return FORMATS[self.format].type_id + (PACKED if self.packed else 0)
 
 
 Parts = tuple[Weight, ...]  # a fused matrix: parts stacked by output rows

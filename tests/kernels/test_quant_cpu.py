@@ -23,7 +23,14 @@ import pytest
 import torch
 
 from kernels import cpu
-from kernels.quant import K_SCALES, QuantLinear, dequantize, quantize, random_blocks
+from kernels.quant import (
+    K_SCALES,
+    QuantLinear,
+    dequantize,
+    dequantize_rows,
+    quantize,
+    random_blocks,
+)
 from kernels.weights import FORMATS, DecoderLayerWeights, Weight
 
 why = cpu.load()
@@ -59,13 +66,38 @@ def assert_within_bound(y, x, parts):
 
 @pytest.mark.parametrize("isa", cpu.isas())
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 8, 9, 17, 64])
-def test_linear_of_each_format_within_the_rounding_bound(isa, fmt, rows):
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 8, 9, 17, 64, 70])
+@pytest.mark.parametrize("packed", [False, True], ids=["file", "packed"])
+def test_linear_of_each_format_within_the_rounding_bound(isa, fmt, rows, packed):
     k = 3 * FORMATS[fmt].block if fmt in K_FORMATS else 160
-    w = Weight(random_blocks(fmt, 37, k, seed=rows), None, fmt)
+    w = Weight(random_blocks(fmt, 40 if packed else 37, k, seed=rows), None, fmt)
+    if packed:
+        (w,) = cpu.repacked(w)
+        assert w.packed
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     x[:, :5] *= 8  # an outlier per row, as activations have
     assert_within_bound(cpu.linear(x, w, isa=isa), x, (w,))
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_repacking_keeps_every_value_of_the_file(fmt):
+    """gguf-py's dequantization of the file layout is the oracle of the repacked one."""
+    k = 2 * FORMATS[fmt].block if fmt in K_FORMATS else 96
+    w = Weight(random_blocks(fmt, 24, k, seed=5), None, fmt)
+    (packed,) = cpu.repacked(w)
+    assert packed.data.shape == w.data.shape and not torch.equal(packed.data, w.data)
+    torch.testing.assert_close(dequantize(packed), dequantize(w), rtol=0, atol=0)
+    ids = torch.tensor([23, 0, 9, 9])
+    torch.testing.assert_close(dequantize_rows(packed, ids), dequantize(w)[ids], rtol=0, atol=0)
+
+
+def test_only_matrices_of_whole_groups_of_rows_are_repacked():
+    parts = (Weight(random_blocks("q8_0", 12, 64, seed=1), None, "q8_0"),)
+    assert cpu.repacked(parts) == parts
+    with pytest.raises(ValueError, match="multiple of 8 rows"):
+        Weight(parts[0].data, None, "q8_0", packed=True)
+    with pytest.raises(RuntimeError, match="multiple of 8 rows"):
+        cpu.ops().linear(torch.randn(1, 64), [parts[0].data], [None], [8 + 256])
 
 
 @pytest.mark.parametrize("isa", cpu.isas())
@@ -74,15 +106,19 @@ def test_linear_of_each_format_within_the_rounding_bound(isa, fmt, rows):
     [("q4_k", "q6_k"), ("q5_0", "q8_0", "dense"), ("q4_k", "q8_0"), ("q4_1", "q5_1", "q4_0")],
 )
 @pytest.mark.parametrize("rows", [1, 7, 30])
-def test_mixed_parts_with_biases_are_stacked_by_rows(isa, formats, rows):
+@pytest.mark.parametrize("packed", [False, True], ids=["file", "packed"])
+def test_mixed_parts_with_biases_are_stacked_by_rows(isa, formats, rows, packed):
     k = 512
     g = torch.Generator().manual_seed(len(formats) * 100 + rows)
     parts = tuple(
         Weight(torch.randn(n, k, generator=g), torch.randn(n, generator=g))
         if fmt == "dense"
         else Weight(random_blocks(fmt, n, k, seed=n), torch.randn(n, generator=g), fmt)
-        for fmt, n in zip(formats, (19, 13, 6))
+        for fmt, n in zip(formats, (24, 16, 8) if packed else (19, 13, 6))
     )
+    if packed:
+        parts = cpu.repacked(parts)
+        assert all(p.packed for p in parts if p.format != "dense")
     x = torch.randn(rows, k, generator=g)
     assert_within_bound(cpu.linear(x, parts, isa=isa), x, parts)
 
@@ -129,9 +165,12 @@ def test_rows_of_a_real_model_file(fmt):
     if data is None:
         pytest.skip(f"no {fmt} tensor in the model files under {GGUF_CACHE}")
     w = Weight(data, None, fmt)
+    (packed,) = cpu.repacked(w)
+    torch.testing.assert_close(dequantize(packed), dequantize(w), rtol=0, atol=0)
     x = torch.randn(9, w.in_features)
     for isa in cpu.isas():
         assert_within_bound(cpu.linear(x, w, isa=isa), x, (w,))
+        assert_within_bound(cpu.linear(x, packed, isa=isa), x, (packed,))
 
 
 def test_fast_linear_over_quantized_parts_keeps_buffers_and_output():

@@ -50,6 +50,40 @@ at::Tensor linear_op(const at::Tensor& x, const std::vector<at::Tensor>& weights
   return y.view(sizes);
 }
 
+// A block-format matrix w [rows, row bytes] of GGML type `type` repacked (qpacked.h).
+at::Tensor repack_op(const at::Tensor& w, int64_t type) {
+  TORCH_CHECK(known_format(type), "unknown block format (GGML type ", type, ")");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.size(1) % block_bytes(type) == 0,
+              "the weight must be uint8 [rows, whole blocks of ", block_bytes(type), " bytes]");
+  TORCH_CHECK(w.size(0) % PACK_ROWS == 0, "a repacked weight has a multiple of ", PACK_ROWS,
+              " rows, not ", w.size(0));
+  auto src = w.contiguous();
+  auto out = at::empty_like(src);
+  repack(type, src.data_ptr<uint8_t>(), src.size(0), src.size(1), out.data_ptr<uint8_t>());
+  return out;
+}
+
+// Rows `rows` of a repacked matrix w (GGML type `type`) as float32 [len(rows), K].
+at::Tensor dequantize_packed_op(const at::Tensor& w, int64_t type, const at::Tensor& rows) {
+  TORCH_CHECK(known_format(type), "unknown block format (GGML type ", type, ")");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() &&
+                  w.size(0) % PACK_ROWS == 0 && w.size(1) % block_bytes(type) == 0,
+              "a repacked weight is contiguous uint8 [a multiple of ", PACK_ROWS,
+              " rows, whole blocks]");
+  auto r = rows.to(at::kLong).contiguous();
+  const int64_t n = r.numel(), K = w.size(1) / block_bytes(type) * block_values(type);
+  const int64_t* ids = r.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < w.size(0), "row ", ids[i], " is out of range");
+  auto out = at::empty({n, K}, w.options().dtype(at::kFloat));
+  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      dequantize_packed(type, w.data_ptr<uint8_t>(), w.size(1), ids[i],
+                        out.data_ptr<float>() + i * K);
+  });
+  return out;
+}
+
 // q [B, Hq, Dk] -> [B, Hq, Dv], the caches read in their format; with scores, the counted
 // sequences' attention added to them (sink_of).
 at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache,
@@ -160,6 +194,8 @@ KVSERVE_LIBRARY(KVSERVE_OPS, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps, float offset) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("gated_act(Tensor h, int act) -> Tensor");
+  m.def("repack(Tensor w, int type) -> Tensor");
+  m.def("dequantize_packed(Tensor w, int type, Tensor rows) -> Tensor");
   // No tensor to dispatch on: one kernel for every backend.
   m.def("int8_peak(int iterations) -> float", &kvserve::int8_peak);
   // Per layer: cos, sin [T, head_dim], k and v caches, its group's attention metadata, its
@@ -181,6 +217,8 @@ KVSERVE_LIBRARY_IMPL(KVSERVE_OPS, m) {
   m.impl("rms_norm", &kvserve::rms_norm_op);
   m.impl("rope", &kvserve::rope_op);
   m.impl("gated_act", &kvserve::gated_act_op);
+  m.impl("repack", &kvserve::repack_op);
+  m.impl("dequantize_packed", &kvserve::dequantize_packed_op);
   m.impl("decoder_layers",
          torch::CppFunction::makeFromBoxedFunction<&kvserve::decoder_layers_op>());
 }

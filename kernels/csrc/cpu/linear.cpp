@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <memory>
 
+#include "qpacked.h"
 #include "vec.h"
 
 namespace kvserve {
@@ -216,8 +217,10 @@ int64_t chunk_rows(const Matrix& m, int64_t M) {
 // Rows [r0, r1) of part p into y's columns from r0, y [M, ldy].
 static void part_rows(const Part& p, const Rows& in, int64_t K, int64_t r0, int64_t r1, float* y,
                int64_t ldy) {
-  const QuantPart q{static_cast<const uint8_t*>(p.w), p.row_bytes, p.type};
-  if (p.type != 0 && in.M > few_rows(p.type) && tiles_read(p.type)) {
+  const QuantPart q{static_cast<const uint8_t*>(p.w), p.row_bytes, p.type % PACKED};
+  if (is_packed(p.type)) {
+    packed_products(q, in.xq, in.M, r0, r1, y, ldy);
+  } else if (p.type != 0 && in.M > few_rows(p.type) && tiles_read(p.type)) {
     quant_tiles(q, in.xp, in.M, r0, r1, y, ldy, in.scratch);
   } else if (p.type != 0) {
     quant_rows(q, in.xq, in.M, r0, r1, y, ldy);

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "qlinear.h"
+#include "qpacked.h"
 #include "threads.h"
 
 namespace kvserve {
@@ -50,7 +51,7 @@ struct Matrix {
   // format (qlinear.h).
   int64_t group() const {
     for (int64_t i = 0; i < count; ++i)
-      if (parts[i].type != 0 && block_values(parts[i].type) == 256) return KGROUP;
+      if (parts[i].type != 0 && block_values(parts[i].type % PACKED) == 256) return KGROUP;
     return 32;
   }
 };

@@ -102,12 +102,15 @@ inline void add_part(Matrix& m, const std::string& name, const at::Tensor& w,
   if (type == 0) {
     TORCH_CHECK(w.scalar_type() == at::kFloat, "the dense weight '", name, "' must be float32");
   } else {
-    TORCH_CHECK(known_format(type), "the weight '", name, "' has an unknown format (GGML type ",
-                type, ")");
-    TORCH_CHECK(w.scalar_type() == at::kByte && w.size(1) % block_bytes(type) == 0,
+    const int64_t base = type % PACKED;
+    TORCH_CHECK(known_format(base) && type < 2 * PACKED, "the weight '", name,
+                "' has an unknown format (GGML type ", type, ")");
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.size(1) % block_bytes(base) == 0,
                 "the weight '", name, "' must be uint8 [out, whole blocks of ",
-                block_bytes(type), " bytes]");
-    K = w.size(1) / block_bytes(type) * block_values(type);
+                block_bytes(base), " bytes]");
+    TORCH_CHECK(!is_packed(type) || w.size(0) % PACK_ROWS == 0, "the repacked weight '", name,
+                "' must have a multiple of ", PACK_ROWS, " rows");
+    K = w.size(1) / block_bytes(base) * block_values(base);
   }
   TORCH_CHECK(m.count == 0 || K == m.K, "the weight '", name, "' has ", K, " inputs, not ", m.K);
   if (bias.defined())

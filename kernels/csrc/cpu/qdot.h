@@ -150,6 +150,18 @@ KVSERVE_INLINE bytes32 add_fifth_bits(bytes32 v, const uint8_t* p) {
 #endif
 }
 
+// 8 bytes at p as int32 lanes: unsigned, signed.
+KVSERVE_INLINE bytes32 widen8_u(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+KVSERVE_INLINE bytes32 widen8_s(const uint8_t* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+KVSERVE_INLINE bytes32 splat_ints(int32_t v) { return _mm256_set1_epi32(v); }
+// Each 32-bit lane shifted.
+KVSERVE_INLINE bytes32 shift_right32(bytes32 a, int n) { return _mm256_srli_epi32(a, n); }
+KVSERVE_INLINE bytes32 shift_left32(bytes32 a, int n) { return _mm256_slli_epi32(a, n); }
+
 // 8 int8 values at p as floats.
 KVSERVE_INLINE vec8 int8_floats(const int8_t* p) {
   int64_t v;
