@@ -130,8 +130,9 @@ def bench_transformers(model, prompts: list[list[int]], tokens: int, pad_id: int
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_cli_args(
-        parser, ("model", "device", "cpu_kernels"), {"model": "smollm2-135m-instruct"}, required=()
-    )
+        parser, ("model", "device", "cpu_kernels", "repack_weights"),
+        {"model": "smollm2-135m-instruct"}, required=(),
+    )  # fmt: skip
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=3)
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
     llm = LLM(
         args.model, device=args.device, max_model_len=1024, max_num_seqs=64,
-        cpu_kernels=args.cpu_kernels,
+        cpu_kernels=args.cpu_kernels, repack_weights=args.repack_weights,
     )  # fmt: skip
     tok = llm.tokenizer
     prompts = prompts_for(llm)

@@ -106,6 +106,12 @@ class EngineArgs:
         "C++ kernels for float32 on x86 CPUs with AVX2 (linear layers, decode attention, "
         "norms, rotary embedding), built on first use; off: plain torch",
     )
+    repack_weights: bool = setting(
+        True,
+        "block-format weights rearranged once at load for the C++ kernels' products (as "
+        "llama.cpp's repack; same bytes); off: read in the file's layout (llama.cpp's "
+        "--no-repack)",
+    )
     enable_prefix_caching: bool = setting(
         True,
         "keep and share the KV blocks of identical prompt prefixes (hashed full blocks)",
@@ -285,6 +291,7 @@ class EngineArgs:
             self.quantization,
             self.kv_dtype(dtype),
             self.scores_kept,
+            self.repack_weights,
         )
 
     def kv_dtype(self, dtype: str) -> str:

@@ -271,18 +271,19 @@ class CpuBackend(TorchBackend):
     runner: its float32 and block-format linear layers (``prepare``) and, in a step of up to
     ``cpu.MAX_ROWS`` new tokens, all its decoder layers in one call (``decoder_layers``).
     Not for a tensor-parallel rank: the fused layer would skip the all-reduces, and a swapped
-    projection would drop the hook that makes them."""
+    projection would drop the hook that makes them. ``repack``: block-format weights are
+    repacked once for the products (``cpu.repacked``)."""
 
     name = "cpu"
 
-    def __init__(self, model_kernels: bool = True) -> None:
+    def __init__(self, model_kernels: bool = True, repack: bool = True) -> None:
         from kernels import cpu
 
         why = cpu.load()
         if why is not None:
             raise RuntimeError(f"the cpu attention backend is unavailable: {why}")
         self._cpu = cpu
-        self.model_kernels = model_kernels
+        self.model_kernels, self.repack = model_kernels, repack
 
     def prefill(self, q, k, v, kv_cache, meta, scale, scores=None):
         attend = sdpa_attend if q.dtype == torch.float32 else None
@@ -333,7 +334,10 @@ class CpuBackend(TorchBackend):
                 if isinstance(child, nn.Linear) and self._cpu.usable(child.weight):
                     fast = self._cpu.FastLinear.of_linear(child.weight, child.bias)
                 elif isinstance(child, QuantLinear) and self._fits(child.parts):
-                    fast = self._cpu.FastLinear(self._cpu.repacked(child.parts, repacked))
+                    parts = child.parts
+                    fast = self._cpu.FastLinear(
+                        self._cpu.repacked(parts, repacked) if self.repack else parts
+                    )
                 else:
                     continue
                 setattr(parent, name, fast)
@@ -463,14 +467,15 @@ def default_backend(device: torch.device, cpu_kernels: bool = True) -> str:
 
 
 def get_backend(
-    name: str | None, device: torch.device, cpu_kernels: bool = True
+    name: str | None, device: torch.device, cpu_kernels: bool = True, repack: bool = True
 ) -> AttentionBackend:
     """The backend called ``name``, or the device's own (``default_backend``) when None.
-    ``cpu_kernels``: whether the ``cpu`` backend also runs the model (``CpuBackend``)."""
+    ``cpu_kernels``: whether the ``cpu`` backend also runs the model, ``repack`` whether it
+    repacks block-format weights (``CpuBackend``)."""
     if name is None:
         name = default_backend(device, cpu_kernels)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {backend_names()}")
     if name == CpuBackend.name:
-        return CpuBackend(model_kernels=cpu_kernels)
+        return CpuBackend(model_kernels=cpu_kernels, repack=repack)
     return BACKENDS[name]()

@@ -24,6 +24,7 @@ class RunnerConfig:
     quantization: str | None = None  # a block format for a float checkpoint's linear layers
     kv_cache_dtype: str = ""  # a ``models.kv_spec.KV_DTYPES``; "": the model's dtype
     kv_scores: bool = False  # importance scores beside the cache (``KVCacheGroup.scored``)
+    repack_weights: bool = True  # block-format weights repacked for ``kernels.cpu``
 
     @property
     def kv_dtype(self) -> str:

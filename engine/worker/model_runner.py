@@ -62,8 +62,9 @@ class ModelRunner:
         # Decided here once; the backend and the start-up log both take this answer.
         not_model_kernels = model_kernels_off(config, tp)
         self.backend: AttentionBackend = get_backend(
-            config.attention_backend, self.device, not_model_kernels is None
-        )
+            config.attention_backend, self.device, not_model_kernels is None,
+            config.repack_weights,
+        )  # fmt: skip
         self.tp = tp
         model_config = shard_config(config.model_config, tp)
         self.model: CausalLM = load_model(

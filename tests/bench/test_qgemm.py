@@ -20,8 +20,14 @@ def test_every_format_and_row_count_is_reported_beside_each_builds_peak(monkeypa
     assert set(report["peak_gmacs"]) == set(cpu.isas())
     # Rates, not timings held to a target: a core does billions of byte products a second.
     assert all(0.1 < p < 10_000 for p in report["peak_gmacs"].values())
-    got = [(r["format"], r["rows"]) for r in report["results"]]
-    assert got == [("q4_k", 1), ("q4_k", 9), ("q8_0", 1), ("q8_0", 9)]
+    got = [(r["format"], r["layout"], r["rows"]) for r in report["results"]]
+    assert got == [
+        (fmt, layout, rows)
+        for fmt in ("q4_k", "q8_0")
+        for layout in ("packed", "file")
+        for rows in (1, 9)
+    ]
     assert all(r["of_peak"] > 0 and r["gmacs"] > 0 for r in report["results"])
     table = (tmp_path / "q.md").read_text()
-    assert "| q8_0 | 9 |" in table and report["box"] in table
+    assert "| q8_0 | file | 9 |" in table and "| q4_k | packed | 1 |" in table
+    assert report["box"] in table

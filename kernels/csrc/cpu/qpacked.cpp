@@ -250,7 +250,12 @@ void tile(const uint8_t* w, int64_t group_bytes, const QRows& x, int64_t m0, flo
   const int64_t step = group_bytes / nb;  // a group's block
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk[NG];
-    for (int g = 0; g < NG; ++g) blk[g] = w + g * group_bytes + b * step;
+    for (int g = 0; g < NG; ++g) {
+      blk[g] = w + g * group_bytes + b * step;
+      // The next tile's groups requested into L2 in step with these: the hardware prefetchers
+      // alone keep up with a few streams, not with NG of them read slowly (one input row).
+      prefetch_bytes_l2(blk[g] + NG * group_bytes, step);
+    }
 #pragma GCC unroll 1
     for (int64_t j = 0; j < SUBS; ++j) {
       bytes32 hi[NG][MT], lo[NG][MT];
