@@ -173,6 +173,30 @@ def test_rows_of_a_real_model_file(fmt):
         assert_within_bound(cpu.linear(x, packed, isa=isa), x, (packed,))
 
 
+@pytest.mark.parametrize("repack", [True, False])
+def test_a_tied_head_and_its_embedding_share_one_copy_once_prepared(repack):
+    """Repacking replaces the file's layout: the embedding then reads the head's copy."""
+    from torch import nn
+
+    from kernels.backend import CpuBackend
+    from kernels.quant import QuantEmbedding
+
+    w = Weight(random_blocks("q4_k", 40, 256, seed=7), None, "q4_k")
+    model = nn.Module()
+    model.embed = QuantEmbedding(w)
+    model.lm_head = QuantLinear((model.embed.stored,))
+    ids = torch.tensor([[3, 39], [0, 17]])
+    before = model.embed(ids)
+    assert CpuBackend(repack=repack).prepare(model) == 1
+    (head,) = model.lm_head.parts
+    assert head.packed == repack == model.embed.packed
+    assert head.data is model.embed.data
+    assert head.data.shape == w.data.shape
+    torch.testing.assert_close(model.embed(ids), before, rtol=0, atol=0)
+    x = torch.randn(2, 256)
+    assert_within_bound(model.lm_head(x), x, (w,))
+
+
 def test_fast_linear_over_quantized_parts_keeps_buffers_and_output():
     parts = (
         Weight(random_blocks("q4_k", 20, 256, seed=1), torch.randn(20), "q4_k"),

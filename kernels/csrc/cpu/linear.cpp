@@ -219,7 +219,7 @@ static void part_rows(const Part& p, const Rows& in, int64_t K, int64_t r0, int6
                int64_t ldy) {
   const QuantPart q{static_cast<const uint8_t*>(p.w), p.row_bytes, p.type % PACKED};
   if (is_packed(p.type)) {
-    packed_products(q, in.xq, in.M, r0, r1, y, ldy);
+    packed_products(q, in.xp, in.M, r0, r1, y, ldy);
   } else if (p.type != 0 && in.M > few_rows(p.type) && tiles_read(p.type)) {
     quant_tiles(q, in.xp, in.M, r0, r1, y, ldy, in.scratch);
   } else if (p.type != 0) {

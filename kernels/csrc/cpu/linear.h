@@ -42,6 +42,11 @@ struct Matrix {
     parts[count++] = p;
     N += p.rows;
   }
+  bool has_packed() const {
+    for (int64_t i = 0; i < count; ++i)
+      if (is_packed(parts[i].type)) return true;
+    return false;
+  }
   bool has(bool quantized) const {
     for (int64_t i = 0; i < count; ++i)
       if ((parts[i].type != 0) == quantized) return true;
@@ -74,7 +79,7 @@ struct Rows {
   const float* x;
   const float* xt;
   QRows xq;
-  QPanels xp;  // xq again, in panels for more than QFEW rows
+  QPanels xp;  // xq again, in panels (repacked parts, and more than QFEW rows)
   uint8_t* scratch;  // unpacked weight rows for more than QFEW rows (unpack_bytes)
   int64_t M;
 };
@@ -91,8 +96,8 @@ struct PackSpace {
   PackSpace(int64_t M, int64_t K, bool dense, bool quantized)
       : floats(dense && M > FEW ? (packed_size(M, K) + 15) / 16 * 16 : 0),
         rows(quantized ? (QRows::bytes(M, K) + 63) / 64 * 64 : 0),
-        panels(quantized && M > QFEW ? (QPanels::bytes(M, K) + 63) / 64 * 64 : 0),
-        bytes(floats * 4 + rows + panels + (panels > 0 ? unpack_bytes(K) : 0)) {}
+        panels(quantized ? (QPanels::bytes(M, K) + 63) / 64 * 64 : 0),
+        bytes(floats * 4 + rows + panels + (quantized && M > QFEW ? unpack_bytes(K) : 0)) {}
 };
 
 // One thread's side of the products of a parallel region whose inputs have M rows; space: its
@@ -115,11 +120,11 @@ struct Products {
       char* q = space + size.floats * 4;
       in.xq = QRows::at(q, M, m.K);
       quantize_rows(x, M, m.group(), in.xq);
-      if (M > QFEW) {
+      if (M > QFEW || m.has_packed()) {
         in.xp = QPanels::at(q + size.rows, M, m.K);
         pack_panels(in.xq, M, in.xp);
-        in.scratch = reinterpret_cast<uint8_t*>(q + size.rows + size.panels);
       }
+      if (M > QFEW) in.scratch = reinterpret_cast<uint8_t*>(q + size.rows + size.panels);
     }
     return in;
   }

@@ -71,7 +71,7 @@ KVSERVE_INLINE bytes32 times_base(bytes32 a) {
 KVSERVE_INLINE bytes32 add_ints(bytes32 a, bytes32 b) { return _mm256_add_epi32(a, b); }
 KVSERVE_INLINE void store32(void* p, bytes32 v) { _mm256_storeu_si256(static_cast<bytes32*>(p), v); }
 // The 4 bytes at p in every 32-bit lane.
-KVSERVE_INLINE bytes32 splat4(const uint8_t* p) {
+KVSERVE_INLINE bytes32 splat4(const void* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
@@ -96,6 +96,25 @@ KVSERVE_INLINE bytes32 multiply_step(bytes32 acc, bytes32 u, bytes32 s) {
   return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s));
 #endif
 }
+
+// dot_acc(acc, u, splat4(p)): with VNNI the 4 bytes at p broadcast by the multiply's own
+// memory operand ({1to8}), which GCC does not fold from a separate broadcast: one instruction
+// in place of two, where a tile's broadcasts were as many as its multiplies.
+KVSERVE_INLINE bytes32 dot_acc_splat(bytes32 acc, bytes32 u, const void* p) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  asm("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*static_cast<const int32_t*>(p)));
+  return acc;
+#else
+  return dot_acc(acc, u, splat4(p));
+#endif
+}
+
+// The products of u (unsigned) and s paired into int16 lanes (VPMADDUBSW), their sums, and
+// the sums of int16 pairs into int32 lanes: byte products summed in int16 for as long as
+// their sums fit, as AVX2 without VNNI does best (one widening per several multiplies).
+KVSERVE_INLINE bytes32 pair_products(bytes32 u, bytes32 s) { return _mm256_maddubs_epi16(u, s); }
+KVSERVE_INLINE bytes32 add16(bytes32 a, bytes32 b) { return _mm256_add_epi16(a, b); }
+KVSERVE_INLINE bytes32 widen_pairs(bytes32 a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
 
 // Whether dot_acc takes any unsigned bytes (VNNI sums in int32; AVX2 pairs them in int16).
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)

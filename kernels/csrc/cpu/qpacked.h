@@ -37,8 +37,8 @@ void repack(int64_t type, const uint8_t* src, int64_t rows, int64_t row_bytes, u
 void dequantize_packed(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t r, float* out);
 
 // As quant_rows (qlinear.h) for a repacked part (p.type without PACKED): y[m][n] for n in
-// [r0, r1), both multiples of PACK_ROWS, and the M rows of xq.
-void packed_products(const QuantPart& p, const QRows& xq, int64_t M, int64_t r0, int64_t r1,
+// [r0, r1), both multiples of PACK_ROWS, and the M rows of xq, in panels.
+void packed_products(const QuantPart& p, const QPanels& xq, int64_t M, int64_t r0, int64_t r1,
                      float* y, int64_t ldy);
 
 }  // namespace kvserve

@@ -3,6 +3,7 @@
 // V panels of 8 activation rows, whose byte sums stay in registers over each SUB values: each
 // weight value is a broadcast against V vectors, each activation vector meets R rows.
 #include <algorithm>
+#include <cstring>
 
 #include "qformats.h"
 #include "qlinear.h"
@@ -134,11 +135,13 @@ void pack_panels(const QRows& xq, int64_t M, const QPanels& xp) {
       const int64_t row = 8 * g + i;
       int8_t* q = xp.q + g * 8 * K + 4 * i;
       int8_t* ql = xp.ql + g * 8 * K + 4 * i;
-      for (int64_t k = 0; k < K; k += 4)
-        for (int64_t c = 0; c < 4; ++c) {
-          q[k * 8 + c] = row < M ? xq.q[row * K + k + c] : 0;
-          ql[k * 8 + c] = row < M ? xq.ql[row * K + k + c] : 0;
-        }
+      // 4 values at a time, as 32-bit words.
+      for (int64_t k = 0; k < K; k += 4) {
+        int32_t hi = 0, lo = 0;
+        if (row < M) std::memcpy(&hi, xq.q + row * K + k, 4), std::memcpy(&lo, xq.ql + row * K + k, 4);
+        std::memcpy(q + k * 8, &hi, 4);
+        std::memcpy(ql + k * 8, &lo, 4);
+      }
       for (int64_t u = 0; u < nu; ++u) {
         xp.d[(g * nu + u) * 8 + i] = row < M ? xq.d[row * nu + u] : 0.f;
         xp.s32[(g * nu + u) * 8 + i] = row < M ? xq.s32[row * nu + u] : 0.f;
