@@ -206,11 +206,14 @@ void pack_rows(const float* x, int64_t M, int64_t K, float* xt) {
 }
 
 // About CHUNK_BYTES of weight rows (of the matrix's longest rows), a multiple of 8 for few
-// rows (they go in threes and eights) and of 24 (whole tiles) for more.
+// rows (they go in threes and eights, or in the repacked products' tiles) and of 24 (whole
+// tiles) for more.
 int64_t chunk_rows(const Matrix& m, int64_t M) {
   int64_t row_bytes = 1;
   for (int64_t i = 0; i < m.count; ++i) row_bytes = std::max(row_bytes, m.parts[i].row_bytes);
-  const int64_t unit = M <= FEW ? 8 : 4 * TR;
+  // Few rows: whole tiles of the repacked products (several groups of 8 weight rows read
+  // side by side), else runs of threes and eights.
+  const int64_t unit = M > FEW ? 4 * TR : m.has_packed() ? packed_tile_rows(M) : 8;
   return std::max<int64_t>(unit, CHUNK_BYTES / row_bytes / unit * unit);
 }
 

@@ -239,6 +239,10 @@ void packed_of(const QuantPart& p, const QPanels& x, int64_t M, int64_t r0, int6
 
 }  // namespace
 
+int64_t packed_tile_rows(int64_t M) {
+  return PACK_ROWS * groups_for(static_cast<int>(std::min<int64_t>(M, MMAX)));
+}
+
 void packed_products(const QuantPart& p, const QPanels& xq, int64_t M, int64_t r0, int64_t r1,
                      float* y, int64_t ldy) {
   switch (p.type) {

@@ -36,6 +36,10 @@ void repack(int64_t type, const uint8_t* src, int64_t rows, int64_t row_bytes, u
 // Row r of a repacked matrix (GGML type `type`, rows of row_bytes bytes) as floats, K of them.
 void dequantize_packed(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t r, float* out);
 
+// Weight rows a tile of the products reads side by side for M input rows (a multiple of
+// PACK_ROWS): the chunks the threads take are best whole tiles.
+int64_t packed_tile_rows(int64_t M);
+
 // As quant_rows (qlinear.h) for a repacked part (p.type without PACKED): y[m][n] for n in
 // [r0, r1), both multiples of PACK_ROWS, and the M rows of xq, in panels.
 void packed_products(const QuantPart& p, const QPanels& xq, int64_t M, int64_t r0, int64_t r1,
