@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--k {args.k}: a multiple of 256 (the K formats' block)")
     report = run(args)
     if args.out:
-        command = "python -m bench.qgemm " + " ".join(argv or [])
+        command = "python -m bench.qgemm " + " ".join(sys.argv[1:] if argv is None else argv)
         Path(args.out + ".json").write_text(json.dumps(report, indent=1) + "\n")
         Path(args.out + ".md").write_text(markdown(report, command.strip()))
 
