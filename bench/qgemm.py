@@ -102,20 +102,29 @@ def markdown(report: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of a products benchmark: layouts, threads, repeats, where results go."""
+    p.add_argument("--layouts", nargs="+", default=["packed", "file"], choices=["packed", "file"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", help="write PREFIX.md and PREFIX.json")
+
+
+def require_kernels() -> None:
+    why = cpu.load()
+    if why is not None:
+        raise SystemExit(f"the CPU kernels are unavailable: {why}")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.qgemm", description=__doc__.split("\n")[0])
     p.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     p.add_argument("--k", type=int, default=1536, help="inputs (a multiple of 256)")
     p.add_argument("--n", type=int, default=2048, help="outputs")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--layouts", nargs="+", default=["packed", "file"], choices=["packed", "file"])
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", help="write PREFIX.md and PREFIX.json")
+    add_run_arguments(p)
     args = p.parse_args(argv)
-    why = cpu.load()
-    if why is not None:
-        raise SystemExit(f"the CPU kernels are unavailable: {why}")
+    require_kernels()
     if args.k % 256:
         raise SystemExit(f"--k {args.k}: a multiple of 256 (the K formats' block)")
     report = run(args)

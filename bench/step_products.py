@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from bench.cpu import box_bandwidth, cpu_model
+from bench.qgemm import add_run_arguments, require_kernels
 from kernels import cpu
 from kernels.quant import random_blocks
 from kernels.weights import Parts, Weight
@@ -128,14 +129,9 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m bench.step_products", description=__doc__.split("\n")[0]
     )
     p.add_argument("--rows", nargs="+", type=int, default=[1, 5, 8])
-    p.add_argument("--layouts", nargs="+", default=["packed", "file"], choices=["packed", "file"])
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", help="write PREFIX.md and PREFIX.json")
+    add_run_arguments(p)
     args = p.parse_args(argv)
-    why = cpu.load()
-    if why is not None:
-        raise SystemExit(f"the CPU kernels are unavailable: {why}")
+    require_kernels()
     torch.set_num_threads(args.threads)
     report = run(args.rows, args.layouts, args.repeats)
     if args.out:

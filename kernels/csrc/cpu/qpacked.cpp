@@ -104,39 +104,9 @@ template <class F, int MT, int NG>
 KVSERVE_INLINE void sub_sums(const uint8_t* const* blk, int64_t b, int64_t j, const int8_t* xh,
                              const int8_t* xl, bytes32 (&hi)[NG][MT], bytes32 (&lo)[NG][MT]) {
   constexpr int64_t OCTETS = F::SUB / 8, RUN = int16_octets<F>();
+  bytes32 h16[NG][MT], l16[NG][MT];  // without VNNI, sums in int16 over RUN octets
   for (int g = 0; g < NG; ++g)
-    for (int m = 0; m < MT; ++m) hi[g][m] = lo[g][m] = zero32();
-  if constexpr (RUN > 0) {  // sums in int16 over RUN octets, then widened
-#pragma GCC unroll 4
-    for (int64_t o0 = 0; o0 < OCTETS; o0 += RUN) {
-      bytes32 h16[NG][MT], l16[NG][MT];
-      for (int g = 0; g < NG; ++g)
-        for (int m = 0; m < MT; ++m) h16[g][m] = l16[g][m] = zero32();
-#pragma GCC unroll 4
-      for (int64_t o = o0; o < o0 + RUN; ++o) {
-        const int64_t t = j * OCTETS + o, k = b * F::BLOCK + 8 * t;
-#pragma GCC unroll 8
-        for (int g = 0; g < NG; ++g) {
-          bytes32 wa, wb;
-          F::octet_of(blk[g], t, wa, wb);
-#pragma GCC unroll 8
-          for (int m = 0; m < MT; ++m) {
-            const int64_t a = 8 * k + 4 * m, b4 = a + 32;
-            h16[g][m] = add16(h16[g][m], add16(pair_products(wa, splat4(xh + a)),
-                                               pair_products(wb, splat4(xh + b4))));
-            l16[g][m] = add16(l16[g][m], add16(pair_products(wa, splat4(xl + a)),
-                                               pair_products(wb, splat4(xl + b4))));
-          }
-        }
-      }
-      for (int g = 0; g < NG; ++g)
-        for (int m = 0; m < MT; ++m) {
-          hi[g][m] = add_ints(hi[g][m], widen_pairs(h16[g][m]));
-          lo[g][m] = add_ints(lo[g][m], widen_pairs(l16[g][m]));
-        }
-    }
-    return;
-  }
+    for (int m = 0; m < MT; ++m) hi[g][m] = lo[g][m] = h16[g][m] = l16[g][m] = zero32();
 #pragma GCC unroll 4
   for (int64_t o = 0; o < OCTETS; ++o) {
     const int64_t t = j * OCTETS + o, k = b * F::BLOCK + 8 * t;
@@ -147,9 +117,25 @@ KVSERVE_INLINE void sub_sums(const uint8_t* const* blk, int64_t b, int64_t j, co
 #pragma GCC unroll 8
       for (int m = 0; m < MT; ++m) {
         const int64_t a = 8 * k + 4 * m, b4 = a + 32;  // values k .. k + 3, k + 4 .. k + 7
-        hi[g][m] = mac<F>(mac<F>(hi[g][m], wa, xh + a), wb, xh + b4);
-        lo[g][m] = mac<F>(mac<F>(lo[g][m], wa, xl + a), wb, xl + b4);
+        if constexpr (RUN > 0) {
+          h16[g][m] = add16(h16[g][m], add16(pair_products(wa, splat4(xh + a)),
+                                             pair_products(wb, splat4(xh + b4))));
+          l16[g][m] = add16(l16[g][m], add16(pair_products(wa, splat4(xl + a)),
+                                             pair_products(wb, splat4(xl + b4))));
+        } else {
+          hi[g][m] = mac<F>(mac<F>(hi[g][m], wa, xh + a), wb, xh + b4);
+          lo[g][m] = mac<F>(mac<F>(lo[g][m], wa, xl + a), wb, xl + b4);
+        }
       }
+    }
+    if constexpr (RUN > 0) {
+      if ((o + 1) % RUN == 0)
+        for (int g = 0; g < NG; ++g)
+          for (int m = 0; m < MT; ++m) {
+            hi[g][m] = add_ints(hi[g][m], widen_pairs(h16[g][m]));
+            lo[g][m] = add_ints(lo[g][m], widen_pairs(l16[g][m]));
+            h16[g][m] = l16[g][m] = zero32();
+          }
     }
   }
 }
