@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.drift import compare, kvserve_logprobs, reference_logprobs, text_ids
+from bench.drift import compare, kvserve_logprobs, reference_logprobs, reference_model, text_ids
 from engine import LLM, SamplingParams
 from kernels.quant import QuantLinear
 from models.fetch import gguf_path, served_gguf
@@ -27,6 +27,12 @@ PROMPTS = [
 CONVERTED = {"smollm2-135m-instruct": "smollm2_dir", "gemma3-270m": "gemma3_dir"}
 
 
+@pytest.fixture(scope="module")
+def qwen05_reference(qwen05_dir):
+    """transformers' float32 Qwen 0.5B from the GGUF file, loaded once for the module."""
+    return reference_model(qwen05_dir)
+
+
 def _folder(name: str, request):
     if name == "qwen2.5-coder-0.5b-instruct":
         return request.getfixturevalue("qwen05_dir")
@@ -36,13 +42,12 @@ def _folder(name: str, request):
 def _reference(name: str, folder, request):
     from transformers import AutoModelForCausalLM
 
+    if name == "qwen2.5-coder-0.5b-instruct":
+        return request.getfixturevalue("qwen05_reference")
     if name in CONVERTED:
         converted = request.getfixturevalue(CONVERTED[name])
         return AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
-    gguf = (folder / "model.gguf").resolve()
-    return AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
+    return reference_model(folder)
 
 
 @pytest.mark.parametrize(
@@ -68,9 +73,10 @@ def test_concurrent_greedy_tokens_equal_transformers_on_the_same_gguf(name, requ
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_total_blocks
 
 
-def test_qwen_05b_drift_from_transformers_over_1000_tokens(qwen05_dir):
+def test_qwen_05b_drift_from_transformers_over_1000_tokens(qwen05_dir, qwen05_reference):
     ids = text_ids(Tokenizer.from_dir(qwen05_dir), 1000)
-    got = compare(kvserve_logprobs(qwen05_dir, ids), reference_logprobs(qwen05_dir, ids), ids)
+    ref = reference_logprobs(qwen05_dir, ids, qwen05_reference)
+    got = compare(kvserve_logprobs(qwen05_dir, ids), ref, ids)
     assert got["mean_kld"] <= 2e-3 and got["top1"] >= 0.99, got
 
 
