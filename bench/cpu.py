@@ -140,9 +140,9 @@ def weight_bytes(model_dir: Path) -> dict[str, int]:
     """Bytes read per decode step by weights kind: every matrix once; the embedding table only
     when it is also the output layer (tied). A GGUF-served model: its tensors as stored."""
     if (model_dir / "model.gguf").exists():
-        from gguf import GGUFReader
+        from models.gguf_import import open_gguf
 
-        tensors = GGUFReader(str(model_dir / "model.gguf")).tensors
+        tensors = open_gguf(model_dir / "model.gguf").tensors
         tied = all(t.name != "output.weight" for t in tensors)
         read = [t for t in tensors if tied or t.name != "token_embd.weight"]
         return {"gguf": sum(int(t.n_bytes) for t in read)}

@@ -55,13 +55,11 @@ def stored_weight_bytes(cfg: ModelConfig, dtype_bytes: int, quantization: str | 
     formats at their stored size, float tensors at ``dtype_bytes`` per value, and with
     ``quantization`` the float matrices of linear layers in that format (an estimate: every
     2-D tensor but the embedding)."""
-    from models.gguf_import import GGUF_LINK
+    from models.gguf_import import GGUF_LINK, open_gguf
 
     total = 0
     if (cfg.path / GGUF_LINK).exists():
-        from gguf import GGUFReader
-
-        for t in GGUFReader(str(cfg.path / GGUF_LINK)).tensors:
+        for t in open_gguf(cfg.path / GGUF_LINK).tensors:
             fmt = t.tensor_type.name.lower()
             total += int(t.n_bytes) if fmt in FORMATS else int(t.n_elements) * dtype_bytes
         return total

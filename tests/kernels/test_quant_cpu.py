@@ -147,12 +147,12 @@ def test_linear_refuses_a_misshapen_or_unknown_block_format():
 def _file_rows(rows: int = 24) -> dict[str, torch.Tensor]:
     """The first rows of a tensor of each block format in the smaller cached GGUF files (the
     reader's start-up grows with the file's vocabulary)."""
-    from gguf import GGUFReader
+    from models.gguf_import import open_gguf
 
     found: dict[str, torch.Tensor] = {}
     files = sorted(GGUF_CACHE.glob("*.gguf"), key=lambda p: p.stat().st_size)
     for path in [p for p in files if p.stat().st_size < 300e6]:
-        for t in GGUFReader(path).tensors:
+        for t in open_gguf(path).tensors:
             fmt = t.tensor_type.name.lower()
             if fmt in FORMATS and fmt not in found and len(t.data.shape) == 2:
                 found[fmt] = torch.from_numpy(t.data[:rows].copy())

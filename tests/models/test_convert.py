@@ -303,3 +303,23 @@ def test_fetch_is_idempotent(smollm2_dir):
     assert again == smollm2_dir and (again / MARKER).is_file()
     assert resolve_model("smollm2-135m-instruct") == smollm2_dir
     assert set(ALIASES) >= {"smollm2-135m-instruct", "gemma3-270m"}
+
+
+@pytest.mark.slow
+def test_the_reader_reads_what_gguf_py_reads(smollm2_dir):
+    """``open_gguf`` parses the header from a plain view of the map; every field and tensor
+    equals gguf-py's own reader's."""
+    from models.gguf_import import open_gguf
+
+    path = gguf_path("smollm2-135m-instruct", progress=False)
+    ours, theirs = open_gguf(path), gguf.GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        got = ours.fields[name]
+        assert (got.offset, got.data, got.types) == (field.offset, field.data, field.types)
+        assert all(np.array_equal(a, b) for a, b in zip(got.parts, field.parts, strict=True))
+    assert ours.data_offset == theirs.data_offset
+    for got, tensor in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (got.name, got.tensor_type, got.data_offset) == (
+            tensor.name, tensor.tensor_type, tensor.data_offset)  # fmt: skip
+        assert np.array_equal(got.data, tensor.data)
