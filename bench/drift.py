@@ -15,6 +15,7 @@ positions whose most likely token agrees (top-1), and the perplexity of each.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import os
@@ -70,19 +71,25 @@ def kvserve_logprobs(folder: Path, ids: list[int]) -> torch.Tensor:
 
 def reference_model(folder: Path):
     """transformers' float32 model of the folder's GGUF file (its matrices dequantized)."""
-    from unittest import mock
-
     from transformers import AutoModelForCausalLM
+
+    path = (folder / "model.gguf").resolve()
+    with fast_gguf_reader():
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                    dtype=torch.float32).eval()  # fmt: skip
+
+
+@contextlib.contextmanager
+def fast_gguf_reader():
+    """transformers' GGUF loads (models, tokenizers) parse the header with kvserve's reader:
+    gguf-py's, which takes a quarter-minute over a 150k-token vocabulary, reading from a plain
+    view of the map (``models.gguf_import.open_gguf``, the same fields and tensors)."""
+    from unittest import mock
 
     from models.gguf_import import open_gguf
 
-    path = (folder / "model.gguf").resolve()
-    # transformers parses the header with gguf-py's reader, a quarter-minute for a 150k-token
-    # vocabulary; ours reads the same fields and tensors (tests/models/test_convert.py) in a
-    # quarter of the time.
-    with mock.patch("gguf.GGUFReader", lambda p, *a, **k: open_gguf(p)):
-        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                    dtype=torch.float32).eval()  # fmt: skip
+    with mock.patch("gguf.GGUFReader", lambda path, *args, **kwargs: open_gguf(path)):
+        yield
 
 
 def reference_logprobs(folder: Path, ids: list[int], model=None) -> torch.Tensor:

@@ -296,8 +296,8 @@ def test_quantized_caches_cost_qwen_what_they_are_stated_to(qwen05_dir):
         f"flour twice before he sold {i + 3} of them at the market in town."
         for i in range(20)
     )
-    ids = Tokenizer.from_dir(qwen05_dir).encode(text)[:320]
-    base = EngineArgs(model=str(qwen05_dir), max_model_len=336, num_kv_blocks=64)
+    ids = Tokenizer.from_dir(qwen05_dir).encode(text)[:192]
+    base = EngineArgs(model=str(qwen05_dir), max_model_len=208, num_kv_blocks=64)
     costs = quality.kv_dtype_costs(base, ids, ["float32", *BOUNDS])
     assert costs["float32"].kld_mean == 0
     for kv, (kld, top1) in BOUNDS.items():

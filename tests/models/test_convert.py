@@ -26,7 +26,11 @@ TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER, TOKEN_BYTE = 1, 3, 4, 6
 def _hf_model(folder: Path, gguf_file: str | None = None):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+    from bench.drift import fast_gguf_reader
+
+    with fast_gguf_reader():
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file,
+                                                     dtype=torch.float32)  # fmt: skip
     return model.eval()
 
 

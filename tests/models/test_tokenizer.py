@@ -51,6 +51,7 @@ def gguf_tokenizers():
     """transformers' tokenizer built straight from each GGUF (the oracle), loaded once."""
     from transformers import AutoTokenizer
 
+    from bench.drift import fast_gguf_reader
     from models.fetch import gguf_path
 
     cache = {}
@@ -58,7 +59,8 @@ def gguf_tokenizers():
     def get(name: str):
         if name not in cache:
             path = gguf_path(ALIASES[name], progress=False)
-            cache[name] = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            with fast_gguf_reader():
+                cache[name] = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         return cache[name]
 
     return get
