@@ -4,6 +4,9 @@
 
 Both run in this process on the same weights, with the same thread count; medians are quoted.
 
+With ``--dtypes float32 bfloat16`` it compares output tok/s across dtypes instead: one engine
+per dtype (KV cache ``auto`` for each), side by side in this process, runs interleaved.
+
 With ``--tensor-parallel-size 1 2`` it compares decode steps (ms/step, tok/s) across rank
 counts instead: one engine per count, side by side in this process, runs interleaved; one rank
 runs on ``--threads`` torch threads, N ranks on the machine's cores / N each (as the engine
@@ -22,6 +25,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.args import add_cli_args
 from engine.worker.tp_workers import threads_per_rank
+from models.kv_spec import DTYPES
 
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -102,6 +106,34 @@ def compare_tensor_parallel(args: argparse.Namespace) -> int:
     return 0
 
 
+def compare_dtypes(args: argparse.Namespace) -> int:
+    """Output tok/s per dtype, the engines side by side, runs interleaved."""
+    llms = {
+        d: LLM(args.model, device=args.device, dtype=d, max_model_len=1024, max_num_seqs=64,
+               cpu_kernels=args.cpu_kernels, repack_weights=args.repack_weights)
+        for d in args.dtypes
+    }  # fmt: skip
+    first = llms[args.dtypes[0]]
+    prompts = prompts_for(first)
+    print(
+        f"model {first.engine.model_config.name}, device {first.engine.device}, "
+        f"threads {args.threads}, {args.tokens} new tokens per request, median of {args.repeats}"
+    )
+    print(f"{'concurrent':>10} {'dtype':>9} {'KV cache':>9} {'tok/s':>8} {'vs first':>9}")
+    for c in args.concurrency:
+        batch = [prompts[i % len(prompts)] for i in range(c)]
+        runs: dict[str, list[float]] = {d: [] for d in args.dtypes}
+        for _ in range(args.repeats):  # interleaved, so drifts in machine load hit all alike
+            for d, llm in llms.items():
+                runs[d].append(bench_engine(llm, batch, args.tokens))
+        base = statistics.median(runs[args.dtypes[0]])
+        for d, llm in llms.items():
+            rate = statistics.median(runs[d])
+            kv = llm.engine.runner.config.kv_dtype
+            print(f"{c:>10} {d:>9} {kv:>9} {rate:>8.1f} {rate / base:>9.2f}")
+    return 0
+
+
 def prompts_for(llm: LLM) -> list[list[int]]:
     """The chat prompts in the model's template; none without a tokenizer."""
     tok = llm.tokenizer
@@ -142,10 +174,16 @@ def main(argv: list[str] | None = None) -> int:
         "--tensor-parallel-size", type=int, nargs="+", metavar="N",
         help="compare decode steps at these rank counts instead (no transformers run)",
     )  # fmt: skip
+    parser.add_argument(
+        "--dtypes", nargs="+", choices=DTYPES, metavar="DTYPE",
+        help="compare output tok/s across these dtypes instead (no transformers run)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.tensor_parallel_size:
         return compare_tensor_parallel(args)
+    if args.dtypes:
+        return compare_dtypes(args)
 
     llm = LLM(
         args.model, device=args.device, max_model_len=1024, max_num_seqs=64,

@@ -35,7 +35,7 @@ from torch import nn
 from kernels import reference
 from kernels.launch import Launch
 from kernels.rotary import RopeLayout, delta_cos_sin, rotate_reference
-from kernels.weights import DecoderLayerWeights, Weight
+from kernels.weights import DENSE_TYPES, DecoderLayerWeights, Weight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # a layer's (k_cache, v_cache); v may view k (MLA)
 
@@ -185,6 +185,10 @@ class AttentionBackend(ABC):
             out[:nd] = self.decode(q[:nd], kv_cache, meta.decodes, scale, scores)
         return out
 
+    def load_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a model served in ``dtype`` is loaded in, before ``prepare``."""
+        return dtype
+
     def prepare(self, model: nn.Module) -> int:
         """Fit a loaded model to this backend's kernels, once, before its first step (the
         model runner calls it). Returns how many modules changed."""
@@ -272,18 +276,31 @@ class CpuBackend(TorchBackend):
     ``cpu.MAX_ROWS`` new tokens, all its decoder layers in one call (``decoder_layers``).
     Not for a tensor-parallel rank: the fused layer would skip the all-reduces, and a swapped
     projection would drop the hook that makes them. ``repack``: block-format weights are
-    repacked once for the products (``cpu.repacked``)."""
+    repacked once for the products (``cpu.repacked``). ``weights``: the dtype of the dense
+    matrices the kernels multiply, float16 or bfloat16 for half the bytes per step (the model
+    is then loaded in float32, its activations stay float32 and its linear layers' matrices
+    and embeddings are narrowed by ``prepare``)."""
 
     name = "cpu"
 
-    def __init__(self, model_kernels: bool = True, repack: bool = True) -> None:
+    def __init__(
+        self, model_kernels: bool = True, repack: bool = True, weights: torch.dtype = torch.float32
+    ) -> None:
         from kernels import cpu
 
         why = cpu.load()
         if why is not None:
             raise RuntimeError(f"the cpu attention backend is unavailable: {why}")
+        if weights not in DENSE_TYPES:
+            raise ValueError(
+                f"the cpu kernels multiply float32, float16 or bfloat16, not {weights}"
+            )
         self._cpu = cpu
         self.model_kernels, self.repack = model_kernels, repack
+        self.weights = weights if model_kernels else torch.float32
+
+    def load_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32 if self.model_kernels else dtype
 
     def prefill(self, q, k, v, kv_cache, meta, scale, scores=None):
         attend = sdpa_attend if q.dtype == torch.float32 else None
@@ -328,11 +345,22 @@ class CpuBackend(TorchBackend):
             return 0
         from kernels.quant import QuantEmbedding, QuantLinear
 
-        swapped, repacked = 0, {}
+        swapped, repacked, narrowed = 0, {}, {}
+
+        def narrow(weight: nn.Parameter) -> nn.Parameter:
+            # One narrowed copy per matrix: a tied embedding and LM head share it.
+            if weight.dtype == self.weights:
+                return weight
+            if id(weight) not in narrowed:
+                narrowed[id(weight)] = nn.Parameter(weight.detach().to(self.weights), False)
+            return narrowed[id(weight)]
+
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear) and self._cpu.usable(child.weight):
-                    fast = self._cpu.FastLinear.of_linear(child.weight, child.bias)
+                    fast = self._cpu.FastLinear.of_linear(narrow(child.weight), child.bias)
+                elif isinstance(child, nn.Embedding) and self.weights != torch.float32:
+                    fast = QuantEmbedding(Weight(narrow(child.weight)))
                 elif isinstance(child, QuantLinear) and self._fits(child.parts):
                     parts = child.parts
                     fast = self._cpu.FastLinear(
@@ -352,10 +380,11 @@ class CpuBackend(TorchBackend):
         return swapped
 
     def _fits(self, parts) -> bool:
-        """Whether the kernel reads these parts: on the CPU, dense ones and biases float32."""
+        """Whether the kernel reads these parts: on the CPU, dense ones float32, float16 or
+        bfloat16 and contiguous, biases float32."""
         return all(
             p.data.device.type == "cpu"
-            and (p.format != "dense" or self._cpu.usable(p.data))
+            and (p.format != "dense" or p.data.dtype in DENSE_TYPES)
             and (p.bias is None or self._cpu.usable(p.bias))
             for p in parts
         )
@@ -467,15 +496,19 @@ def default_backend(device: torch.device, cpu_kernels: bool = True) -> str:
 
 
 def get_backend(
-    name: str | None, device: torch.device, cpu_kernels: bool = True, repack: bool = True
+    name: str | None,
+    device: torch.device,
+    cpu_kernels: bool = True,
+    repack: bool = True,
+    weights: torch.dtype = torch.float32,
 ) -> AttentionBackend:
     """The backend called ``name``, or the device's own (``default_backend``) when None.
     ``cpu_kernels``: whether the ``cpu`` backend also runs the model, ``repack`` whether it
-    repacks block-format weights (``CpuBackend``)."""
+    repacks block-format weights, ``weights`` its dense matrices' dtype (``CpuBackend``)."""
     if name is None:
         name = default_backend(device, cpu_kernels)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {backend_names()}")
     if name == CpuBackend.name:
-        return CpuBackend(model_kernels=cpu_kernels, repack=repack)
+        return CpuBackend(model_kernels=cpu_kernels, repack=repack, weights=weights)
     return BACKENDS[name]()

@@ -183,7 +183,8 @@ def _as_parts(weights: Parts | Weight) -> Parts:
 
 def linear(x: torch.Tensor, parts: Parts | Weight, isa: str | None = None) -> torch.Tensor:
     """``x`` [..., in] times a matrix in parts (``kernels.weights``): float32 x, dense parts
-    contiguous float32 [out, in], block-format parts as stored; each part's bias added."""
+    contiguous float32, float16 or bfloat16 [out, in], block-format parts as stored; each
+    part's bias added."""
     parts = _as_parts(parts)
     return ops(isa).linear(
         x, [p.data for p in parts], [p.bias for p in parts], [p.type_id for p in parts]
@@ -374,7 +375,8 @@ class FastLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         parts = self.parts
-        if x.numel() <= self.max_rows * self.in_features or any(p.format != "dense" for p in parts):
+        # No torch op reads block formats, nor 16-bit matrices times float32 inputs.
+        if x.numel() <= self.max_rows * self.in_features or any(p.type_id for p in parts):
             return linear(x, parts)
         weight = torch.cat([p.data for p in parts]) if len(parts) > 1 else parts[0].data
         biases = [p.bias for p in parts]

@@ -1,14 +1,15 @@
 """A decoder layer's weights, described by name, as the kernels take them.
 
 A matrix is a ``Weight``: its stored data in a ``format`` with an optional bias. ``dense`` is a
-float tensor [out, in]; a GGUF block format (``q4_0`` … ``q6_k``, ``FORMATS``) is a uint8
-tensor [out, row bytes] holding each output row's blocks exactly as the GGUF file stores them,
-so a quantized matrix stays at its file size in memory. Matrices that read the same input are
-fused once, when the model is loaded (q, k and v into ``qkv``; gate and up into ``gate_up``):
-a fused matrix is a tuple of parts stacked by output rows, one part where every piece has the
-same format (their rows concatenated), more where a file stores them differently (Q4_K_M files
-keep v in Q6_K beside q and k in Q4_K). A ``DecoderLayerWeights`` names every slot of a
-pre-norm decoder layer (Llama, Qwen2, Gemma 3); a model without a slot leaves it None.
+float tensor [out, in] (float32, or float16 / bfloat16 where the activations stay float32); a
+GGUF block format (``q4_0`` … ``q6_k``, ``FORMATS``) is a uint8 tensor [out, row bytes] holding
+each output row's blocks exactly as the GGUF file stores them, so a quantized matrix stays at
+its file size in memory. Matrices that read the same input are fused once, when the model is
+loaded (q, k and v into ``qkv``; gate and up into ``gate_up``): a fused matrix is a tuple of
+parts stacked by output rows, one part where every piece has the same format (their rows
+concatenated), more where a file stores them differently (Q4_K_M files keep v in Q6_K beside q
+and k in Q4_K). A ``DecoderLayerWeights`` names every slot of a pre-norm decoder layer (Llama,
+Qwen2, Gemma 3); a model without a slot leaves it None.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ FORMATS = {
     "q5_k": Format(13, 256, 176),
     "q6_k": Format(14, 256, 210),
 }
+
+# The GGML type of a dense matrix by its dtype (the C++ kernels read all three).
+DENSE_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 
 # Formats a float checkpoint can be quantized to at load (those gguf-py's quantizer writes).
 QUANTIZABLE = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
@@ -89,6 +93,8 @@ class Weight:
 
     @property
     def type_id(self) -> int:
+        if self.format == "dense":
+            return DENSE_TYPES.get(self.data.dtype, -1)  # -1: no kernel reads it
         return FORMATS[self.format].type_id + (PACKED if self.packed else 0)
 
 

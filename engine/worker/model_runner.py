@@ -38,17 +38,16 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 def model_kernels_off(config: RunnerConfig, tp: TPRank = NO_TP) -> str | None:
     """Why kernels.cpu does not run the model's layers (its linear layers and whole decoder
-    layers) here, or None when it may: the one place that decides it. Its kernels take float32
-    activations only, and its fused layers would skip a tensor-parallel model's all-reduces;
-    the attention kernels serve either way."""
+    layers) here, or None when it may: the one place that decides it. Its fused layers would
+    skip a tensor-parallel model's all-reduces; the attention kernels serve either way. Its
+    activations are float32 whatever the dtype, which narrows the matrices only
+    (``CpuBackend``)."""
     if not config.cpu_kernels:
         return "off"
     if tp.size > 1:
         return "off (tensor parallel)"
     if config.torch_device.type != "cpu":
         return f"not on CPU ({config.device})"
-    if config.dtype != "float32":
-        return f"off for {config.dtype} (float32 only)"
     why = cpu.load()
     return None if why is None else f"unavailable, {why}"
 
@@ -58,13 +57,14 @@ class ModelRunner:
         """``tp``: this rank's share of a tensor-parallel model (its heads, its KV cache)."""
         self.config = config
         self.device = config.torch_device
-        self.dtype = TORCH_DTYPES[config.dtype]
+        dtype = TORCH_DTYPES[config.dtype]
         # Decided here once; the backend and the start-up log both take this answer.
         not_model_kernels = model_kernels_off(config, tp)
         self.backend: AttentionBackend = get_backend(
             config.attention_backend, self.device, not_model_kernels is None,
-            config.repack_weights,
+            config.repack_weights, dtype,
         )  # fmt: skip
+        self.dtype = self.backend.load_dtype(dtype)
         self.tp = tp
         model_config = shard_config(config.model_config, tp)
         self.model: CausalLM = load_model(

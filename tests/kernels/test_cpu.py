@@ -44,6 +44,24 @@ def test_linear_of_many_rows_in_whole_and_partial_tiles(rows, k, n):
     torch.testing.assert_close(cpu.linear(x, Weight(w, b)), F.linear(x, w, b), rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("isa", cpu.isas())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 40])
+def test_16_bit_matrices_times_float32_inputs(isa, dtype, rows):
+    """float16 / bfloat16 parts (beside a float32 one, biases float32) are widened exactly:
+    the products are float64's over the same 16-bit values, in every tile and tail."""
+    torch.manual_seed(rows)
+    k, x = 605, torch.randn(rows, 605)
+    w = torch.randn(29, k).to(dtype)
+    wide = torch.randn(10, k)
+    b = torch.randn(29)
+    parts = (Weight(w[:13], b[:13]), Weight(wide), Weight(w[13:]))
+    got = cpu.linear(x, parts, isa)
+    expected = x.double() @ torch.cat([w[:13].double(), wide.double(), w[13:].double()]).T
+    expected[:, :13] += b[:13].double()
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+
+
 def test_linear_keeps_leading_dims_and_reads_non_contiguous_input():
     x = torch.randn(2, 3, 40)[:, :, :32]
     w = torch.randn(24, 32)
@@ -54,6 +72,8 @@ def test_linear_keeps_leading_dims_and_reads_non_contiguous_input():
 def test_linear_refuses_other_dtypes_and_mismatched_features():
     with pytest.raises(RuntimeError, match="float32"):
         cpu.linear(torch.randn(1, 8, dtype=torch.bfloat16), Weight(torch.randn(4, 8)))
+    with pytest.raises(RuntimeError, match=r"unknown format \(GGML type -1\)"):
+        cpu.linear(torch.randn(1, 8), Weight(torch.randn(4, 8, dtype=torch.float64)))
     with pytest.raises(RuntimeError, match="features"):
         cpu.linear(torch.randn(1, 9), Weight(torch.randn(4, 8)))
 
@@ -187,6 +207,36 @@ def test_a_model_on_the_kernels_keeps_parameters_ties_and_logits(tiny_llama_dir)
     )
     torch.testing.assert_close(
         fast.compute_logits(x), plain.compute_logits(x), rtol=1e-5, atol=1e-4
+    )
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_16_bit_model_narrows_its_matrices_once_and_keeps_float32_activations(tmp_path, tied):
+    from models.config import ModelConfig
+    from models.loader import load_model
+    from tests.helpers import save_tiny_llama
+
+    save_tiny_llama(tmp_path, tie_word_embeddings=tied)
+    cfg = ModelConfig.from_dir(tmp_path)
+    backend = get_backend("cpu", torch.device("cpu"), weights=torch.bfloat16)
+    assert backend.load_dtype(torch.bfloat16) == torch.float32
+    plain = load_model(cfg, torch.float32, torch.device("cpu"))
+    model = load_model(cfg, torch.float32, torch.device("cpu"))
+    backend.prepare(model)
+    matrices = [m for m in model.modules() if hasattr(m, "parts")]
+    assert len(matrices) == 4 * cfg.num_layers + 1
+    assert {p.data.dtype for m in matrices for p in m.parts} == {torch.bfloat16}
+    embed = model.model.embed_tokens
+    assert embed.data.dtype == torch.bfloat16
+    assert (embed.data.data_ptr() == model.lm_head.parts[0].data.data_ptr()) == tied
+    assert {p.dtype for p in model.parameters() if p.dim() == 1} == {torch.float32}
+    ids = torch.tensor([3, 1, 4])
+    rounded = plain.model.embed_tokens.weight[ids].bfloat16().float()
+    assert torch.equal(embed(ids), rounded) and embed(ids).dtype == torch.float32
+    x = torch.randn(3, cfg.hidden_size)
+    head = plain.lm_head.weight.bfloat16().double()
+    torch.testing.assert_close(
+        model.compute_logits(x).double(), x.double() @ head.T, rtol=1e-5, atol=1e-4
     )
 
 

@@ -264,11 +264,11 @@ void decoder_layers(const float* x, int64_t T, int64_t H, const std::vector<Laye
                 "the layers must have one shape");
   }
   const auto next = counters(DecoderLayer::USES * L, threads);
-  bool dense = false, quantized = false;
+  bool dense = false, half = false, quantized = false;
   for (const LayerInputs& in : inputs)
     for (const Matrix* m : {&in.weights.qkv, &in.weights.o, &in.weights.gate_up, &in.weights.down})
-      dense |= m->has(false), quantized |= m->has(true);
-  const PackSpace size(T, std::max({H, nq, I}), dense, quantized);
+      dense |= m->has(false), half |= m->has_half(), quantized |= m->has(true);
+  const PackSpace size(T, std::max({H, nq, I}), dense, half, quantized);
   const std::unique_ptr<char[]> spaces(new char[threads * size.bytes]);
   // Layer l writes outs[(L - 1 - l) % 2], the last one y, and reads its predecessor's output.
   const at::Tensor spare = at::empty({T * H}, at::kFloat);

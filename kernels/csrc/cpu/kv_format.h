@@ -71,8 +71,6 @@ void store_row(KvFormat f, const float* x, int64_t D, uint8_t* row);
 
 namespace detail {
 
-KVSERVE_INLINE float f16_bits(uint16_t h) { return _cvtsh_ss(h); }
-
 template <class T>
 KVSERVE_INLINE T bits_at(const uint8_t* p) {
   T v;
@@ -82,7 +80,7 @@ KVSERVE_INLINE T bits_at(const uint8_t* p) {
 
 // One e4m3 byte, divided by 256 (as load8_e4m3_over_256).
 KVSERVE_INLINE float e4m3_over_256(uint8_t b) {
-  return f16_bits(static_cast<uint16_t>(((b & 0x7F) << 7) | ((b & 0x80) << 8)));
+  return f16_to_float(static_cast<uint16_t>(((b & 0x7F) << 7) | ((b & 0x80) << 8)));
 }
 
 }  // namespace detail
@@ -96,7 +94,7 @@ inline void load_row(const uint8_t* row, int64_t D, float* out) {
     std::memcpy(out, row, 4 * D);
   } else if constexpr (F == KvFormat::F16) {
     for (; d + 8 <= D; d += 8) store8(out + d, load8_f16(row + 2 * d));
-    for (; d < D; ++d) out[d] = f16_bits(bits_at<uint16_t>(row + 2 * d));
+    for (; d < D; ++d) out[d] = f16_to_float(bits_at<uint16_t>(row + 2 * d));
   } else if constexpr (F == KvFormat::BF16) {
     for (; d + 8 <= D; d += 8) store8(out + d, load8_bf16(row + 2 * d));
     for (; d < D; ++d) {
@@ -116,7 +114,7 @@ inline void load_row(const uint8_t* row, int64_t D, float* out) {
   } else {
     static_assert(F == KvFormat::I4);
     for (; d < D; d += KV_GROUP, row += KV_GROUP_BYTES) {
-      const vec8 scale = splat8(f16_bits(bits_at<uint16_t>(row)));
+      const vec8 scale = splat8(f16_to_float(bits_at<uint16_t>(row)));
       vec8 q[4];
       load32_nibbles_minus8(row + 2, q);
       for (int j = 0; j < 4; ++j) store8(out + d + 8 * j, mul8(q[j], scale));

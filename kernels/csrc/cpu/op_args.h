@@ -90,17 +90,22 @@ inline ScoreSink sink_of(const std::optional<at::Tensor>& scores,
   return {s.data_ptr<float>(), from.data_ptr<int32_t>()};
 }
 
-// Adds to m the part `name` of GGML type `type`: float32 [rows, K] when dense (type 0), else
-// uint8 [rows, row bytes] holding whole blocks of that format; its bias float32 [rows] or
-// undefined. The first part sets m.K, the others must have as many inputs.
+// Adds to m the part `name` of GGML type `type`: float32, float16 or bfloat16 [rows, K] when
+// dense (types 0, 1 and 30), else uint8 [rows, row bytes] holding whole blocks of that format;
+// its bias float32 [rows] or undefined. The first part sets m.K, the others must have as many
+// inputs.
 inline void add_part(Matrix& m, const std::string& name, const at::Tensor& w,
                      const at::Tensor& bias, int64_t type) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "the weight '", name,
               "' must be a contiguous matrix on the CPU");
   TORCH_CHECK(m.count < MAX_PARTS, "at most ", MAX_PARTS, " parts per matrix");
   int64_t K = w.size(1);
-  if (type == 0) {
-    TORCH_CHECK(w.scalar_type() == at::kFloat, "the dense weight '", name, "' must be float32");
+  if (is_dense(type)) {
+    const at::ScalarType dtype = type == DENSE_F32   ? at::kFloat
+                                 : type == DENSE_F16 ? at::kHalf
+                                                     : at::kBFloat16;
+    TORCH_CHECK(w.scalar_type() == dtype, "the dense weight '", name, "' of GGML type ", type,
+                " must be ", dtype, ", not ", w.scalar_type());
   } else {
     const int64_t base = type % PACKED;
     TORCH_CHECK(known_format(base) && type < 2 * PACKED, "the weight '", name,

@@ -37,7 +37,7 @@ KVSERVE_INLINE vec8 to_float(bytes32 i) { return _mm256_cvtepi32_ps(i); }
 KVSERVE_INLINE float fp16_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
+  return f16_to_float(h);
 }
 
 // Eight int32 lanes, lane i the sum of bytes 4i..4i+3 of u (unsigned) times s (signed): lanes

@@ -50,6 +50,11 @@ KVSERVE_INLINE vec8 load8_bf16(const void* p) {
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
+// One float16 or bfloat16 value as a float.
+KVSERVE_INLINE float f16_to_float(uint16_t h) { return _cvtsh_ss(h); }
+KVSERVE_INLINE float bf16_to_float(uint16_t h) {
+  return _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128(static_cast<int32_t>(h) << 16)));
+}
 KVSERVE_INLINE vec8 load8_i8(const void* p) {
   const __m128i b = _mm_loadl_epi64(static_cast<const __m128i*>(p));
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
@@ -77,11 +82,11 @@ KVSERVE_INLINE void store8_f16(void* p, vec8 v) {
 }
 
 // Requests the cache line of p into L1 (for the next few hundred cycles) or L2 (further ahead).
-KVSERVE_INLINE void prefetch_l1(const float* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+KVSERVE_INLINE void prefetch_l1(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
 }
-KVSERVE_INLINE void prefetch_l2(const float* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
+KVSERVE_INLINE void prefetch_l2(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
 }
 
 // Requests the n bytes at p into L2, a cache line at a time.
