@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml
 	# The CPU wheel; an unpinned torch would pull the CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev,bench]'
+	# The triton a CUDA torch 2.11 install brings, beside the current one: the kernel variant
+	# test compiles for sm_90 with both (tests/kernels/test_kernel_variants.py).
+	$(PY) -m pip install -q --no-deps --target $(VENV)/triton-3.6.0 triton==3.6.0
 	# Prometheus and promtool (Debian) for tests/deploy; those tests say why they skip without.
 	command -v promtool >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		{ apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || \

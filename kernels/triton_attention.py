@@ -1569,6 +1569,9 @@ def prefill_launches(
         values = ("WINDOWED", "SHARED_V", "SHARED_V_NEW", "DV", "BLOCK_DV")
         params = {name: p for name, p in params.items() if name not in values}
         params["BLOCK_N"] = min(tile.block_n, 32)
+        # Two stages (the next key tile in flight still): with three, MLA's fp32 variant keeps
+        # an 8-byte stack frame under the ptxas of triton 3.6 (the GPU image's).
+        params["num_stages"] = 2
         launches.append(Launch(_prefill_scores_kernel, grid, args, params))
     return out, launches
 

@@ -66,9 +66,31 @@ def _dequantize(
       q5_k  d@0 dmin@2 scales@4[12] qh@16[32] qs@48[128]
       q6_k  ql@0[128] qh@128[64] scales@192[16] (int8) d@208
     """
+    # Two functions, not an early return: Triton 3.6 compiles the statements after a return
+    # in a constexpr branch too, and the block formats' byte loads do not compile on floats.
     if FMT == 0:  # dense: the row is the values
         k = k0 + tl.arange(0, BLOCK_K)[None, :]
-        return tl.load(w_ptr + (row_off + k), mask=row_ok & (k < K), other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + (row_off + k), mask=row_ok & (k < K), other=0.0).to(tl.float32)
+    else:
+        w = _dequantize_blocks(w_ptr, row_off, row_ok, k0, K, FMT, QK, BLOCK_BYTES, BLOCK_N,
+                               BLOCK_K)  # fmt: skip
+    return w
+
+
+@triton.jit
+def _dequantize_blocks(
+    w_ptr,
+    row_off,
+    row_ok,
+    k0,
+    K,
+    FMT: tl.constexpr,
+    QK: tl.constexpr,
+    BLOCK_BYTES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``_dequantize`` of a block format."""
     G: tl.constexpr = 16 if FMT == 14 else 32
     S: tl.constexpr = BLOCK_K // G
     g = k0 // G + tl.arange(0, S)[None, :, None]  # granule of the row: [1, S, 1]

@@ -104,7 +104,8 @@ QUANT_MODELS = {
     "Qwen2.5-Coder-0.5B-Q4_K_M": {
         "hidden": 896, "intermediate": 4864, "vocab": 151936, "table": "q8_0",
         "qkv": ((("q5_0", 1152),), (("q5_0", 1024), ("q8_0", 128))),
-        "o": ((("q5_0", 896),),),
+        # A float matrix beside them: files may keep one in F16 or F32, served as float rows.
+        "o": ((("q5_0", 896),), (("dense", 896),)),
         "gate_up": ((("q5_0", 9728),),),
         "down": ((("q4_k", 896),), (("q6_k", 896),)),
     },
@@ -255,9 +256,12 @@ def _quant_weight(fmt: str, rows: int, cols: int, dtype: torch.dtype, bias: bool
     from kernels.weights import FORMATS, Weight
 
     spec = FORMATS[fmt]
-    data = torch.empty(
-        rows, cols // spec.block * spec.block_bytes, dtype=torch.uint8, device="meta"
-    )
+    if fmt == "dense":
+        data = torch.empty(rows, cols, dtype=dtype, device="meta")
+    else:
+        data = torch.empty(
+            rows, cols // spec.block * spec.block_bytes, dtype=torch.uint8, device="meta"
+        )
     return Weight(data, torch.empty(rows, dtype=dtype, device="meta") if bias else None, fmt)
 
 
@@ -486,8 +490,12 @@ def table(rows: list[dict]) -> str:
     ]
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
+        # The test's rows name the triton that compiled them: another than the current one
+        # goes beside the target.
+        where = r["target"] if r.get("triton", "current") == "current" else (
+            f"{r['target']} triton {r['triton']}")  # fmt: skip
         for kernel in (r["kernel"].strip("_"), "all"):
-            groups.setdefault((r["model"], r["target"], kernel), []).append(r)
+            groups.setdefault((r["model"], where, kernel), []).append(r)
     for (model, target, kernel), mine in sorted(groups.items()):
         counts = "/".join(
             str(len({(r["group"], r["kernel"], r["variant"]) for r in mine if config(r) == c}))

@@ -1,6 +1,8 @@
 """The Triton kernels as the launch code asks for them, compiled for Hopper (sm_90) and Ampere
 (sm_80) without a GPU: each fits the target's shared memory, keeps its registers out of local
-memory, and a model's steps never ask for a new variant (see ``kernel_variants``).
+memory, and a model's steps never ask for a new variant (see ``kernel_variants``). The current
+triton compiles for both targets, and the triton the GPU image's torch brings (3.6.0 for torch
+2.11) for sm_90 as well: a kernel that compiles or fits on one version only fails here.
 
 The variants come from the serving code path run on meta tensors for four real model shapes
 (SmolLM2-135M: 9/3 heads of 64, Llama-3-8B: 32/8 of 128, Gemma 3 270M: 4/1 of 256 with a
@@ -62,25 +64,38 @@ LAYOUTS = {"gqa": {"SmolLM2-135M", "Llama-3-8B"}, "ring": {"Gemma-3-270M"},
            "mla": {"DeepSeek-V3"}}  # fmt: skip
 
 
+# Triton as the GPU image's torch brings it (torch 2.11: triton 3.6.0), installed beside the
+# current one by the Makefile; it compiles for the image's card (sm_90) too.
+IMAGE_TRITON = ("3.6.0", Path(sys.prefix) / "triton-3.6.0", "sm_90")
+
+
 def _compile_in_subprocesses() -> dict:
-    """``kernel_variants`` run once per target, the targets side by side (one core each)."""
+    """``kernel_variants`` run once per target with the current triton and once for the
+    image's card with the image's triton, side by side (one core each); each row names the
+    triton that compiled it."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, said out loud
+    version, path, image_target = IMAGE_TRITON
+    if not (path / "triton").is_dir():
+        pytest.fail(f"triton {version} is not installed under {path} (make install puts it there)")
+    image_env = {**env, "PYTHONPATH": os.pathsep.join([str(path), env["PYTHONPATH"]])}
     command = [sys.executable, "-m", "tests.kernels.kernel_variants"]
+    jobs = [(target, "current", env) for target in kernel_variants.TARGETS]
+    jobs.append((image_target, version, image_env))
     runs = [
-        subprocess.Popen([*command, target], cwd=ROOT, env=env, text=True,
+        subprocess.Popen([*command, target], cwd=ROOT, env=job_env, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        for target in kernel_variants.TARGETS
+        for target, _, job_env in jobs
     ]  # fmt: skip
     rows, skip = [], None
     try:
-        for run in runs:
-            out, err = run.communicate(timeout=900)
+        for run, (_, triton_version, _) in zip(runs, jobs):
+            out, err = run.communicate(timeout=1200)
             assert run.returncode == 0, err[-4000:]
             result = json.loads(out.splitlines()[-1])
             skip = skip or result.get("skip")
-            rows += result.get("rows", [])
+            rows += [{**r, "triton": triton_version} for r in result.get("rows", [])]
     finally:
         for run in runs:
             if run.poll() is None:
@@ -107,6 +122,7 @@ def _kernels(model: str, kv: str) -> set[str]:
 
 
 def test_every_model_dtype_and_target_launches_every_kernel(rows):
+    assert {r["triton"] for r in rows} == {"current", IMAGE_TRITON[0]}
     seen = defaultdict(set)
     for row in rows:
         seen[row["model"], row["dtype"], row["kv"], row["target"]].add(row["kernel"])
@@ -183,7 +199,7 @@ def test_attention_kernels_pipeline_their_kv_loads(rows):
 def test_one_variant_per_model_dtype_group_and_kernel(rows):
     variants = defaultdict(set)
     for r in rows:
-        key = r["model"], r["dtype"], r["kv"], r["target"], r["group"], r["kernel"]
+        key = r["triton"], r["model"], r["dtype"], r["kv"], r["target"], r["group"], r["kernel"]
         variants[key].add(r["variant"])
     several = {k: v for k, v in variants.items() if len(v) > TILES.get(k[-1], 1)}
     assert not several, sorted(several)
