@@ -66,92 +66,76 @@ def _dequantize(
       q5_k  d@0 dmin@2 scales@4[12] qh@16[32] qs@48[128]
       q6_k  ql@0[128] qh@128[64] scales@192[16] (int8) d@208
     """
-    # Two functions, not an early return: Triton 3.6 compiles the statements after a return
-    # in a constexpr branch too, and the block formats' byte loads do not compile on floats.
+    # if / else, not an early return: Triton 3.6 compiles the statements after a return in a
+    # constexpr branch too, and the block formats' byte loads do not compile on floats.
     if FMT == 0:  # dense: the row is the values
         k = k0 + tl.arange(0, BLOCK_K)[None, :]
         w = tl.load(w_ptr + (row_off + k), mask=row_ok & (k < K), other=0.0).to(tl.float32)
     else:
-        w = _dequantize_blocks(w_ptr, row_off, row_ok, k0, K, FMT, QK, BLOCK_BYTES, BLOCK_N,
-                               BLOCK_K)  # fmt: skip
-    return w
-
-
-@triton.jit
-def _dequantize_blocks(
-    w_ptr,
-    row_off,
-    row_ok,
-    k0,
-    K,
-    FMT: tl.constexpr,
-    QK: tl.constexpr,
-    BLOCK_BYTES: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """``_dequantize`` of a block format."""
-    G: tl.constexpr = 16 if FMT == 14 else 32
-    S: tl.constexpr = BLOCK_K // G
-    g = k0 // G + tl.arange(0, S)[None, :, None]  # granule of the row: [1, S, 1]
-    lane = tl.arange(0, G)[None, None, :]  # value within the granule: [1, 1, G]
-    ok = row_ok[:, :, None] & (g < K // G)  # [BLOCK_N, S, 1]
-    blk = row_off[:, :, None] + (g * G // QK) * BLOCK_BYTES  # the granule's block
-    i0 = g * G % QK  # the granule's first value within its block
-    D_AT: tl.constexpr = 208 if FMT == 14 else 0
-    d = tl.load((w_ptr + (blk + D_AT)).to(tl.pointer_type(tl.float16)), mask=ok, other=0.0)
-    d = d.to(tl.float32)
-    # 32-value blocks: value l is nibble l // 16 of quant byte l % 16.
-    nibble = 4 * (lane // 16)
-    if FMT == 2:  # q4_0
-        q = (tl.load(w_ptr + (blk + 2 + lane % 16), mask=ok, other=0).to(tl.int32) >> nibble) & 15
-        w = d * (q - 8).to(tl.float32)
-    elif FMT == 3:  # q4_1
-        m = tl.load((w_ptr + (blk + 2)).to(tl.pointer_type(tl.float16)), mask=ok, other=0.0)
-        q = (tl.load(w_ptr + (blk + 4 + lane % 16), mask=ok, other=0).to(tl.int32) >> nibble) & 15
-        w = d * q.to(tl.float32) + m.to(tl.float32)
-    elif FMT == 6 or FMT == 7:  # q5_0, q5_1: bit l of the 32-bit qh is value l's fifth bit
-        QH_AT: tl.constexpr = 2 if FMT == 6 else 4
-        hb = tl.load(w_ptr + (blk + QH_AT + lane // 8), mask=ok, other=0).to(tl.int32)
-        lo = tl.load(w_ptr + (blk + QH_AT + 4 + lane % 16), mask=ok, other=0).to(tl.int32)
-        q = ((lo >> nibble) & 15) | (((hb >> (lane % 8)) & 1) << 4)
-        if FMT == 6:
-            w = d * (q - 16).to(tl.float32)
-        else:
+        G: tl.constexpr = 16 if FMT == 14 else 32
+        S: tl.constexpr = BLOCK_K // G
+        g = k0 // G + tl.arange(0, S)[None, :, None]  # granule of the row: [1, S, 1]
+        lane = tl.arange(0, G)[None, None, :]  # value within the granule: [1, 1, G]
+        ok = row_ok[:, :, None] & (g < K // G)  # [BLOCK_N, S, 1]
+        blk = row_off[:, :, None] + (g * G // QK) * BLOCK_BYTES  # the granule's block
+        i0 = g * G % QK  # the granule's first value within its block
+        D_AT: tl.constexpr = 208 if FMT == 14 else 0
+        d = tl.load((w_ptr + (blk + D_AT)).to(tl.pointer_type(tl.float16)), mask=ok, other=0.0)
+        d = d.to(tl.float32)
+        # 32-value blocks: value l is nibble l // 16 of quant byte l % 16.
+        nibble = 4 * (lane // 16)
+        if FMT == 2:  # q4_0
+            q = tl.load(w_ptr + (blk + 2 + lane % 16), mask=ok, other=0).to(tl.int32)
+            q = (q >> nibble) & 15
+            w = d * (q - 8).to(tl.float32)
+        elif FMT == 3:  # q4_1
             m = tl.load((w_ptr + (blk + 2)).to(tl.pointer_type(tl.float16)), mask=ok, other=0.0)
+            q = tl.load(w_ptr + (blk + 4 + lane % 16), mask=ok, other=0).to(tl.int32)
+            q = (q >> nibble) & 15
             w = d * q.to(tl.float32) + m.to(tl.float32)
-    elif FMT == 8:  # q8_0
-        q = tl.load(w_ptr + (blk + 2 + lane), mask=ok, other=0).to(tl.int8, bitcast=True)
-        w = q.to(tl.float32) * d
-    elif FMT == 12 or FMT == 13:  # q4_k, q5_k: 8 sub-blocks of 32, a 6-bit scale and min each
-        s = i0 // 32
-        j = s % 4
-        # scales[12] as three rows of 4 (gguf-py's get_scale_min): sub-block s < 4 takes the
-        # low 6 bits of rows 0 and 1; s >= 4 the nibbles of row 2 and the top bits of rows 0, 1.
-        a = tl.load(w_ptr + (blk + 4 + j), mask=ok, other=0).to(tl.int32)
-        b = tl.load(w_ptr + (blk + 8 + j), mask=ok, other=0).to(tl.int32)
-        c = tl.load(w_ptr + (blk + 12 + j), mask=ok, other=0).to(tl.int32)
-        sc = tl.where(s < 4, a & 63, (c & 15) | ((a >> 2) & 48)).to(tl.float32)
-        mn = tl.where(s < 4, b & 63, (c >> 4) | ((b >> 2) & 48)).to(tl.float32)
-        dmin = tl.load((w_ptr + (blk + 2)).to(tl.pointer_type(tl.float16)), mask=ok, other=0.0)
-        # Sub-blocks 2t and 2t + 1 are the low and high nibbles of the same 32 bytes.
-        QS_AT: tl.constexpr = 16 if FMT == 12 else 48
-        q = tl.load(w_ptr + (blk + QS_AT + (s // 2) * 32 + lane), mask=ok, other=0).to(tl.int32)
-        q = (q >> (4 * (s % 2))) & 15
-        if FMT == 13:  # the fifth bit of sub-block s is bit s of qh[value]
-            hb = tl.load(w_ptr + (blk + 16 + lane), mask=ok, other=0).to(tl.int32)
-            q |= ((hb >> s) & 1) << 4
-        w = (d * sc) * q.to(tl.float32) - dmin.to(tl.float32) * mn
-    else:  # q6_k (14): two halves of 128; quarter r of a half: a ql nibble, 2 bits of qh
-        r = i0 % 128 // 32
-        at = i0 % 32 + lane
-        ql_at = blk + i0 // 128 * 64 + r % 2 * 32 + at
-        lo = tl.load(w_ptr + ql_at, mask=ok, other=0).to(tl.int32)
-        hi = tl.load(w_ptr + (blk + 128 + i0 // 128 * 32 + at), mask=ok, other=0).to(tl.int32)
-        q = ((lo >> (4 * (r // 2))) & 15) | (((hi >> (2 * r)) & 3) << 4)
-        sc = tl.load(w_ptr + (blk + 192 + i0 // 16), mask=ok, other=0).to(tl.int8, bitcast=True)
-        w = (d * sc.to(tl.float32)) * (q - 32).to(tl.float32)
-    return tl.reshape(w, [BLOCK_N, BLOCK_K])
+        elif FMT == 6 or FMT == 7:  # q5_0, q5_1: bit l of the 32-bit qh is value l's fifth bit
+            QH_AT: tl.constexpr = 2 if FMT == 6 else 4
+            hb = tl.load(w_ptr + (blk + QH_AT + lane // 8), mask=ok, other=0).to(tl.int32)
+            lo = tl.load(w_ptr + (blk + QH_AT + 4 + lane % 16), mask=ok, other=0).to(tl.int32)
+            q = ((lo >> nibble) & 15) | (((hb >> (lane % 8)) & 1) << 4)
+            if FMT == 6:
+                w = d * (q - 16).to(tl.float32)
+            else:
+                m = tl.load((w_ptr + (blk + 2)).to(tl.pointer_type(tl.float16)), mask=ok, other=0.0)
+                w = d * q.to(tl.float32) + m.to(tl.float32)
+        elif FMT == 8:  # q8_0
+            q = tl.load(w_ptr + (blk + 2 + lane), mask=ok, other=0).to(tl.int8, bitcast=True)
+            w = q.to(tl.float32) * d
+        elif FMT == 12 or FMT == 13:  # q4_k, q5_k: 8 sub-blocks of 32, a 6-bit scale and min each
+            s = i0 // 32
+            j = s % 4
+            # scales[12] as three rows of 4 (gguf-py's get_scale_min): sub-block s < 4 takes the
+            # low 6 bits of rows 0 and 1; s >= 4 the nibbles of row 2 and the top bits of rows 0, 1.
+            a = tl.load(w_ptr + (blk + 4 + j), mask=ok, other=0).to(tl.int32)
+            b = tl.load(w_ptr + (blk + 8 + j), mask=ok, other=0).to(tl.int32)
+            c = tl.load(w_ptr + (blk + 12 + j), mask=ok, other=0).to(tl.int32)
+            sc = tl.where(s < 4, a & 63, (c & 15) | ((a >> 2) & 48)).to(tl.float32)
+            mn = tl.where(s < 4, b & 63, (c >> 4) | ((b >> 2) & 48)).to(tl.float32)
+            dmin = tl.load((w_ptr + (blk + 2)).to(tl.pointer_type(tl.float16)), mask=ok, other=0.0)
+            # Sub-blocks 2t and 2t + 1 are the low and high nibbles of the same 32 bytes.
+            QS_AT: tl.constexpr = 16 if FMT == 12 else 48
+            q = tl.load(w_ptr + (blk + QS_AT + (s // 2) * 32 + lane), mask=ok, other=0).to(tl.int32)
+            q = (q >> (4 * (s % 2))) & 15
+            if FMT == 13:  # the fifth bit of sub-block s is bit s of qh[value]
+                hb = tl.load(w_ptr + (blk + 16 + lane), mask=ok, other=0).to(tl.int32)
+                q |= ((hb >> s) & 1) << 4
+            w = (d * sc) * q.to(tl.float32) - dmin.to(tl.float32) * mn
+        else:  # q6_k (14): two halves of 128; quarter r of a half: a ql nibble, 2 bits of qh
+            r = i0 % 128 // 32
+            at = i0 % 32 + lane
+            ql_at = blk + i0 // 128 * 64 + r % 2 * 32 + at
+            lo = tl.load(w_ptr + ql_at, mask=ok, other=0).to(tl.int32)
+            hi = tl.load(w_ptr + (blk + 128 + i0 // 128 * 32 + at), mask=ok, other=0).to(tl.int32)
+            q = ((lo >> (4 * (r // 2))) & 15) | (((hi >> (2 * r)) & 3) << 4)
+            sc = tl.load(w_ptr + (blk + 192 + i0 // 16), mask=ok, other=0).to(tl.int8, bitcast=True)
+            w = (d * sc.to(tl.float32)) * (q - 32).to(tl.float32)
+        w = tl.reshape(w, [BLOCK_N, BLOCK_K])
+    return w
 
 
 # Row counts (and with them the strides of x and y) change from step to step; they are not
