@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from types import MappingProxyType
@@ -161,7 +162,7 @@ def markdown(rows: list[dict], command: str) -> str:
         "",
         "Counted on the meta device (no GPU): torch operators that reach the device, views and",
         "metadata excepted, plus Triton launches. Eager decode, batch "
-        f"{rows[0]['batch']}, context {rows[0]['context']}.",
+        f"{rows[0]['batch']}, context {rows[0]['context']}, decode plans for {SMS} SMs.",
         "",
         f"Command: `{command}`",
         "",
@@ -193,10 +194,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(f"{name}: {row['per_layer']:.1f} kernels per layer, {row['total']} per step",
               flush=True)  # fmt: skip
-    command = "python -m bench.kernel_count " + " ".join(argv if argv is not None else [])
+    words = sys.argv[1:] if argv is None else argv
+    command = " ".join(["python -m bench.kernel_count", *words])
     if args.out:
         Path(f"{args.out}.json").write_text(json.dumps(rows, indent=1) + "\n")
-        Path(f"{args.out}.md").write_text(markdown(rows, command.strip()))
+        Path(f"{args.out}.md").write_text(markdown(rows, command))
     return 0
 
 
