@@ -111,10 +111,12 @@ def _step(model, cfg, backend, batch: int, context: int):
     return ctx, ids, torch.empty(batch, dtype=torch.int64, **meta)
 
 
-def count(name: str, batch: int = 1, context: int = 1024) -> dict:
+def count(name: str, batch: int = 1, context: int = 1024, norms: bool = True) -> dict:
     """Per decoder layer (the mean over layers) and outside them: torch operators by name and
-    Triton launches by kernel, of one decode step of ``name``."""
+    Triton launches by kernel, of one decode step of ``name``. ``norms=False``: the norms by
+    the torch reference, as the served path ran them before they asked the backend."""
     from kernels.backend import TritonBackend
+    from models.layers import use_backend
     from models.loader import model_class
 
     cfg = model_config(name)
@@ -122,6 +124,8 @@ def count(name: str, batch: int = 1, context: int = 1024) -> dict:
         model = model_class(cfg)(cfg).to(torch.bfloat16)
     launches: list = []
     backend = TritonBackend(run=launches.append, sms=SMS)
+    if norms:
+        use_backend(model, backend)
     backend.prepare(model)
     ctx, ids, positions = _step(model, cfg, backend, batch, context)
     launches.clear()

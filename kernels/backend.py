@@ -189,6 +189,12 @@ class AttentionBackend(ABC):
         """The dtype a model served in ``dtype`` is loaded in, before ``prepare``."""
         return dtype
 
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
+    ) -> torch.Tensor:
+        """``reference.rms_norm`` of x [..., D] by weight [D]."""
+        return reference.rms_norm(x, weight, eps, offset)
+
     def prepare(self, model: nn.Module) -> int:
         """Fit a loaded model to this backend's kernels, once, before its first step (the
         model runner calls it). Returns how many modules changed."""
@@ -425,14 +431,20 @@ class TritonBackend(AttentionBackend):
     def __init__(
         self, run: Callable[[Launch], None] = Launch.__call__, sms: int | None = None
     ) -> None:
-        from kernels import kv_quant, rotary, triton_attention, triton_quant
+        from kernels import kv_quant, rotary, triton_attention, triton_norm, triton_quant
 
         self._kv_quant = kv_quant
         self._attention = triton_attention
         self._rotary = rotary
         self._quant = triton_quant
+        self._norm = triton_norm
         self._run = run
         self._sms = sms
+
+    def rms_norm(self, x, weight, eps, offset):
+        out, launch = self._norm.rms_norm_launch(x, weight, eps, offset)
+        self._run(launch)
+        return out
 
     def _launch(self, launches: list[Launch]) -> None:
         for launch in launches:

@@ -26,6 +26,18 @@ import torch.nn.functional as F
 from kernels.kv_quant import dequantize, fake_quantize, quantize
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, computed in fp32; ``offset=1`` for a weight stored as
+    w - 1. In half precision the weight multiplies as each architecture's reference does, so
+    that greedy choices agree with it where its logits are close: Llama's (offset 0) rounds the
+    normalized row to the model's dtype first, Gemma's (offset 1) multiplies in fp32."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset == 0:
+        return weight.to(x.dtype) * xf.to(x.dtype)
+    return (xf * (weight.float() + offset)).to(x.dtype)
+
+
 def _blocks_and_offsets(
     table: torch.Tensor, positions: torch.Tensor, block_size: int, window: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import reference
 from kernels.weights import DecoderLayerWeights, Weight
 
 ACTIVATIONS = {
@@ -47,24 +48,28 @@ class PackedLinear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32; ``offset=1`` for models that store the weight as w - 1.
-
-    In half precision the weight multiplies as each architecture's reference does, so that
-    greedy choices agree with it where its logits are close: Llama's (offset 0) rounds the
-    normalized row to the model's dtype first, Gemma's (offset 1) multiplies in fp32."""
+    """RMSNorm (``kernels.reference.rms_norm``; ``offset=1`` for models that store the weight
+    as w - 1), by the backend the model runs on once ``use_backend`` names it (the Triton one
+    normalizes in one kernel), else by the torch reference."""
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
         self.eps = eps
         self.offset = offset
         self.weight = nn.Parameter(torch.ones(dim) if offset == 0 else torch.zeros(dim))
+        self.backend = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset == 0:
-            return self.weight.to(x.dtype) * xf.to(x.dtype)
-        return (xf * (self.weight.float() + self.offset)).to(x.dtype)
+        if self.backend is None:
+            return reference.rms_norm(x, self.weight, self.eps, self.offset)
+        return self.backend.rms_norm(x, self.weight, self.eps, self.offset)
+
+
+def use_backend(model: nn.Module, backend) -> None:
+    """The model's norms run on ``backend`` (a ``kernels.backend.AttentionBackend``) from now."""
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.backend = backend
 
 
 class GatedMLP(nn.Module):

@@ -24,6 +24,7 @@ from kernels.paged import ForwardContext
 from kernels.rotary import RopeLayout
 from models.interface import CausalLM
 from models.kv_spec import QUANTIZED_KV, KVCacheGroup, MLASpec, row_bytes
+from models.layers import use_backend
 from models.loader import load_model
 from models.tensor_parallel import NO_TP, TPRank, shard_config
 
@@ -70,6 +71,7 @@ class ModelRunner:
         self.model: CausalLM = load_model(
             model_config, self.dtype, self.device, tp, config.quantization
         )
+        use_backend(self.model, self.backend)
         swapped = self.backend.prepare(self.model)
         self.cpu_kernels = not_model_kernels or self._cpu_kernels(swapped)
         self.groups: list[KVCacheGroup] = [
