@@ -111,21 +111,25 @@ def _step(model, cfg, backend, batch: int, context: int):
     return ctx, ids, torch.empty(batch, dtype=torch.int64, **meta)
 
 
-def count(name: str, batch: int = 1, context: int = 1024, norms: bool = True) -> dict:
+def count(name: str, batch: int = 1, context: int = 1024, fused: bool = True) -> dict:
     """Per decoder layer (the mean over layers) and outside them: torch operators by name and
-    Triton launches by kernel, of one decode step of ``name``. ``norms=False``: the norms by
-    the torch reference, as the served path ran them before they asked the backend."""
-    from kernels.backend import TritonBackend
+    Triton launches by kernel, of one decode step of ``name``. ``fused=False``: norms and
+    rotary by the torch reference, as the CUDA path ran them on 2026-11-26 (its H100
+    profile)."""
+    from kernels.backend import AttentionBackend, TritonBackend
     from models.layers import use_backend
     from models.loader import model_class
+
+    class Unfused(TritonBackend):
+        rms_norm = AttentionBackend.rms_norm
+        rope = AttentionBackend.rope
 
     cfg = model_config(name)
     with torch.device("meta"):
         model = model_class(cfg)(cfg).to(torch.bfloat16)
     launches: list = []
-    backend = TritonBackend(run=launches.append, sms=SMS)
-    if norms:
-        use_backend(model, backend)
+    backend = (TritonBackend if fused else Unfused)(run=launches.append, sms=SMS)
+    use_backend(model, backend)
     backend.prepare(model)
     ctx, ids, positions = _step(model, cfg, backend, batch, context)
     launches.clear()

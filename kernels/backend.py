@@ -195,6 +195,12 @@ class AttentionBackend(ABC):
         """``reference.rms_norm`` of x [..., D] by weight [D]."""
         return reference.rms_norm(x, weight, eps, offset)
 
+    def rope(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``reference.apply_rope`` of a step's queries [T, Hq, D] and keys [T, Hk, D]."""
+        return reference.apply_rope(q, cos, sin), reference.apply_rope(k, cos, sin)
+
     def prepare(self, model: nn.Module) -> int:
         """Fit a loaded model to this backend's kernels, once, before its first step (the
         model runner calls it). Returns how many modules changed."""
@@ -431,13 +437,21 @@ class TritonBackend(AttentionBackend):
     def __init__(
         self, run: Callable[[Launch], None] = Launch.__call__, sms: int | None = None
     ) -> None:
-        from kernels import kv_quant, rotary, triton_attention, triton_norm, triton_quant
+        from kernels import (
+            kv_quant,
+            rotary,
+            triton_attention,
+            triton_norm,
+            triton_quant,
+            triton_rope,
+        )
 
         self._kv_quant = kv_quant
         self._attention = triton_attention
         self._rotary = rotary
         self._quant = triton_quant
         self._norm = triton_norm
+        self._rope = triton_rope
         self._run = run
         self._sms = sms
 
@@ -445,6 +459,11 @@ class TritonBackend(AttentionBackend):
         out, launch = self._norm.rms_norm_launch(x, weight, eps, offset)
         self._run(launch)
         return out
+
+    def rope(self, q, k, cos, sin):
+        q, k, launch = self._rope.rope_launch(q, k, cos, sin)
+        self._run(launch)
+        return q, k
 
     def _launch(self, launches: list[Launch]) -> None:
         for launch in launches:

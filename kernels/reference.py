@@ -38,6 +38,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -
     return (xf * (weight.float() + offset)).to(x.dtype)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by position; cos/sin [T, D] in the half-split (rotate_half) layout."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
 def _blocks_and_offsets(
     table: torch.Tensor, positions: torch.Tensor, block_size: int, window: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

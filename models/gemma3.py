@@ -25,7 +25,6 @@ from models.layers import (
     DecoderLayer,
     GatedMLP,
     RMSNorm,
-    apply_rope,
     rope_cos_sin,
     run_layers,
 )
@@ -85,7 +84,7 @@ class Gemma3Attention(LlamaAttention):
     def forward(self, x, cos, sin, ctx: ForwardContext):
         q, k, v = self.project(x)
         q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = ctx.backend.rope(q, k, cos, sin)
         out = ctx.attention(self.layer_id, q, k, v, self.scale)
         return self.o_proj(out.reshape(x.shape[0], -1))
 

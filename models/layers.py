@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import reference
+from kernels.reference import apply_rope  # noqa: F401  (the models' name for it)
 from kernels.weights import DecoderLayerWeights, Weight
 
 ACTIVATIONS = {
@@ -165,10 +166,3 @@ def rope_cos_sin(
     freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by position; cos/sin [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]

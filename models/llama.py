@@ -17,7 +17,6 @@ from models.layers import (
     GatedMLP,
     PackedLinear,
     RMSNorm,
-    apply_rope,
     rope_cos_sin,
     rope_inv_freq,
     run_layers,
@@ -94,7 +93,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin, ctx: ForwardContext):
         q, k, v = self.project(x)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = ctx.backend.rope(q, k, cos, sin)
         if self.key_offset is not None:
             k = k - self.key_offset.to(k.dtype)
         out = ctx.attention(self.layer_id, q, k, v, self.scale)

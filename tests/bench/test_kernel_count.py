@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 
 
 def test_smollm2_layer_counts_what_its_h100_profile_counted():
-    before = kernel_count.count("smollm2-135m", batch=1, context=1024, norms=False)
+    before = kernel_count.count("smollm2-135m", batch=1, context=1024, fused=False)
     # Four projections, two cache writes (k, v), a split decode and its merge per layer.
     assert before["layer_ops"]["linear"] == 4
     assert before["layer_launches"] == {
@@ -19,13 +19,15 @@ def test_smollm2_layer_counts_what_its_h100_profile_counted():
     assert before["per_layer"] * before["layers"] + before["outside"] == before["total"]
     assert sum(before["launches"].values()) == 4 * before["layers"]
     # torch.profiler on an H100 counted 1,312 kernels in this model's bf16 decode step, about
-    # 44 a layer, with the norms by torch (../shared/gpu-h100-2026-11-26/diag.md, the
+    # 44 a layer, with the norms and rotary by torch (../shared/gpu-h100-2026-11-26/diag.md, the
     # sampler's included): the count comes within a few of it.
     assert 0.85 * 1312 <= before["total"] <= 1312 and 0.85 * 44 <= before["per_layer"] <= 44
-    # Each of a layer's two norms is one kernel on the backend instead of eight operators.
+    # On the backend, each of a layer's two norms is one kernel instead of eight operators,
+    # and the rotation of its queries and keys one instead of ten.
     after = kernel_count.count("smollm2-135m", batch=1, context=1024)
     assert after["layer_launches"]["_rms_norm_kernel"] == 2
-    assert after["per_layer"] == before["per_layer"] - 2 * 8 and after["per_layer"] == 25
+    assert after["layer_launches"]["_rope_kernel"] == 1
+    assert after["per_layer"] == before["per_layer"] - 2 * 8 - 9 == 16
 
 
 def test_the_command_writes_one_row_per_model(tmp_path):
