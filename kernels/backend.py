@@ -175,15 +175,19 @@ class AttentionBackend(ABC):
             reference.clear_scores(scores, meta.slot_mapping)
             scores = scores if meta.score_from is not None else None
         nd = meta.num_decodes
-        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        outs = []
         if q.shape[0] > nd:
-            out[nd:] = self.prefill(q[nd:], k[nd:], v[nd:], kv_cache, meta.prefills, scale, scores)
+            outs.append(
+                self.prefill(q[nd:], k[nd:], v[nd:], kv_cache, meta.prefills, scale, scores)
+            )
         self.write_cache(k_cache, k, meta.slot_mapping)
         if v_cache.untyped_storage() is not k_cache.untyped_storage():  # MLA: V is part of K
             self.write_cache(v_cache, v, meta.slot_mapping)
         if nd:
-            out[:nd] = self.decode(q[:nd], kv_cache, meta.decodes, scale, scores)
-        return out
+            outs.insert(0, self.decode(q[:nd], kv_cache, meta.decodes, scale, scores))
+        # A step of one kind returns its kernel's output as it is: no copy.
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out.to(q.dtype)
 
     def load_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype a model served in ``dtype`` is loaded in, before ``prepare``."""
