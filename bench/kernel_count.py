@@ -27,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.decode_step import SHAPES
+from kernels.backend import AttentionBackend, TritonBackend
 
 # Operators that launch nothing on the device: views, metadata, allocation.
 NO_KERNEL = frozenset({
@@ -52,6 +53,13 @@ MODELS = {
 }  # fmt: skip
 BLOCK_SIZE = 16
 SMS = 132  # an H100 SXM's multiprocessors, which the decode plan splits contexts for
+
+
+class Unfused(TritonBackend):
+    """The Triton backend with norms and rotary by the torch reference (the base class's)."""
+
+    rms_norm = AttentionBackend.rms_norm
+    rope = AttentionBackend.rope
 
 
 class Counter(TorchDispatchMode):
@@ -118,13 +126,8 @@ def count(name: str, batch: int = 1, context: int = 1024, fused: bool = True) ->
     Triton launches by kernel, of one decode step of ``name``. ``fused=False``: norms and
     rotary by the torch reference, as the CUDA path ran them on 2026-11-26 (its H100
     profile)."""
-    from kernels.backend import AttentionBackend, TritonBackend
     from models.layers import use_backend
     from models.loader import model_class
-
-    class Unfused(TritonBackend):
-        rms_norm = AttentionBackend.rms_norm
-        rope = AttentionBackend.rope
 
     cfg = model_config(name)
     with torch.device("meta"):

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -29,7 +27,7 @@ from pathlib import Path
 import torch
 
 from bench.cpu import box_bandwidth, cpu_model
-from bench.qgemm import add_run_arguments, require_kernels
+from bench.qgemm import add_run_arguments, median_seconds, require_kernels
 from kernels import cpu
 from kernels.quant import random_blocks
 from kernels.weights import Parts, Weight
@@ -70,13 +68,7 @@ def step_seconds(mats: list[Parts], rows: int, repeats: int) -> float:
         for m in mats:
             cpu.linear(xs[m[0].in_features], m)
 
-    step()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return median_seconds(step, repeats, budget_s=0.0)
 
 
 def run(rows: list[int], layouts: list[str], repeats: int, shape: Shape = Shape()) -> dict:

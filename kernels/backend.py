@@ -313,7 +313,7 @@ class CpuBackend(TorchBackend):
             )
         self._cpu = cpu
         self.model_kernels, self.repack = model_kernels, repack
-        self.weights = weights if model_kernels else torch.float32
+        self.weights = weights
 
     def load_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.float32 if self.model_kernels else dtype

@@ -43,15 +43,17 @@ def _rms_norm_kernel(
 def rms_norm_launch(
     x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
 ) -> tuple[torch.Tensor, Launch]:
-    """``x`` [..., D] normalized into a new contiguous tensor of its dtype, and the launch that
-    writes it. Rows of a 3-d x may be strided views (q and k heads out of a fused projection);
-    other shapes are reshaped to rows first."""
+    """``x`` [..., D] normalized into a new contiguous tensor of its shape and dtype, and the
+    launch that writes it. Rows of a 3-d x may be strided views (q and k heads out of a fused
+    projection); other shapes are read as rows."""
     dim = x.shape[-1]
-    if x.stride(-1) != 1 or x.dim() not in (2, 3):
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() not in (2, 3):
         x = x.reshape(-1, dim)
     heads = x.shape[1] if x.dim() == 3 else 1
     stride_t, stride_h = (x.stride(0), x.stride(1)) if x.dim() == 3 else (x.stride(0), 0)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = out.numel() // dim
     block = triton.next_power_of_2(dim)
     args = (x, weight, out, heads, stride_t, stride_h, dim, eps)

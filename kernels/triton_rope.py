@@ -68,8 +68,7 @@ def rope_launch(
     hk = k.shape[1]
     q, k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k))
     cos, sin = cos.contiguous(), sin.contiguous()
-    q_out, k_out = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty(
-        k.shape, dtype=k.dtype, device=k.device)  # fmt: skip
+    q_out, k_out = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k))
     args = (q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             cos.stride(0))  # fmt: skip
     params = dict(HQ=hq, HK=hk, HALF=dim // 2, BLOCK=triton.next_power_of_2(dim // 2),

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import reference
-from kernels.reference import apply_rope  # noqa: F401  (the models' name for it)
 from kernels.weights import DecoderLayerWeights, Weight
 
 ACTIVATIONS = {

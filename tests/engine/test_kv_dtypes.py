@@ -168,7 +168,8 @@ def test_logits_are_transformers_reading_the_same_quantized_keys_and_values(
 
 def test_the_key_offset_is_the_key_bias_rotated_as_a_context_rotates_it_on_average(models):
     """Checked against rotating the bias at every position with the model's own rope."""
-    from models.layers import apply_rope, rope_cos_sin
+    from kernels.reference import apply_rope
+    from models.layers import rope_cos_sin
     from models.llama import OFFSET_POSITIONS
 
     model = make(models / "llama", "int8").engine.runner.model

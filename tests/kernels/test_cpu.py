@@ -21,8 +21,9 @@ from torch import nn
 
 from kernels import cpu, reference
 from kernels.backend import AttentionMetadata, get_backend
+from kernels.reference import apply_rope
 from kernels.weights import DecoderLayerWeights, Weight
-from models.layers import ACTIVATIONS, GatedMLP, RMSNorm, apply_rope
+from models.layers import ACTIVATIONS, GatedMLP, RMSNorm
 
 why = cpu.load()
 pytestmark = pytest.mark.skipif(why is not None, reason=f"kernels.cpu unavailable: {why}")

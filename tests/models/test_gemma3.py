@@ -13,10 +13,11 @@ import torch
 
 from engine import LLM, SamplingParams
 from kernels.backend import TorchBackend
+from kernels.reference import apply_rope
 from models.config import ModelConfig
 from models.gemma3 import Gemma3ForCausalLM, rope_parameters
 from models.kv_spec import FullAttentionSpec, SlidingWindowSpec
-from models.layers import apply_rope, rope_cos_sin
+from models.layers import rope_cos_sin
 from models.loader import load_model
 from tests.helpers import random_prompt, tiny_gemma3
 
