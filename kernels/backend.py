@@ -83,6 +83,20 @@ class AttentionMetadata:
         )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Rotary:
+    """How a layer turns its new queries and keys before attention: RMSNorm per head first
+    where ``norms`` gives (q weight, k weight, eps, offset) (Gemma 3), then rotary by cos/sin
+    [T, D] (half-split, ``reference.apply_rope``), then ``key_offset`` [Hkv, D] subtracted from
+    the keys (``models.llama.LlamaAttention.center_keys``). Handed to the backend with the
+    projections, so that a decode step turns and writes them in one kernel."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    key_offset: torch.Tensor | None = None
+    norms: tuple[torch.Tensor, torch.Tensor, float, float] | None = None
+
+
 class Step(Protocol):
     """What a backend reads of a step (``kernels.paged.ForwardContext``)."""
 
@@ -162,32 +176,71 @@ class AttentionBackend(ABC):
         layer_id: int,
         batch: Step,
         scale: float,
+        rotary: Rotary | None = None,
     ) -> torch.Tensor:
         """A layer's attention over the step: q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv]
-        -> [T, Hq, Dv]; writes k and v to the layer's cache. Prefill attention runs before the
+        -> [T, Hq, Dv], q and k turned by ``rotary`` first where given; writes k and v to the
+        layer's cache. Prefill attention runs before the
         cache write, because a sliding-window chunk may overwrite ring slots that its own first
         tokens still read; decode runs after it. A layer that keeps importance scores clears
         those of the slots it writes, and adds to them where ``meta.score_from`` asks."""
         kv_cache, meta = batch.layer(layer_id)
-        k_cache, v_cache = kv_cache
         scores = batch.layer_scores(layer_id)
         if scores is not None:
             reference.clear_scores(scores, meta.slot_mapping)
             scores = scores if meta.score_from is not None else None
         nd = meta.num_decodes
         outs = []
-        if q.shape[0] > nd:
-            outs.append(
-                self.prefill(q[nd:], k[nd:], v[nd:], kv_cache, meta.prefills, scale, scores)
-            )
-        self.write_cache(k_cache, k, meta.slot_mapping)
-        if v_cache.untyped_storage() is not k_cache.untyped_storage():  # MLA: V is part of K
-            self.write_cache(v_cache, v, meta.slot_mapping)
+        if q.shape[0] == nd and rotary is not None:
+            q = self.rotate_and_write(q, k, v, rotary, kv_cache, meta.slot_mapping)
+        else:
+            if rotary is not None:
+                q, k = self.rotate(q, k, rotary)
+            if q.shape[0] > nd:
+                outs.append(
+                    self.prefill(q[nd:], k[nd:], v[nd:], kv_cache, meta.prefills, scale, scores)
+                )
+            self.write_kv(k, v, kv_cache, meta.slot_mapping)
         if nd:
             outs.insert(0, self.decode(q[:nd], kv_cache, meta.decodes, scale, scores))
         # A step of one kind returns its kernel's output as it is: no copy.
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.to(q.dtype)
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slots) -> None:
+        """A step's new keys and values into the layer's cache (MLA's values are part of its
+        keys' rows: written with them)."""
+        k_cache, v_cache = kv_cache
+        self.write_cache(k_cache, k, slots)
+        if v_cache.untyped_storage() is not k_cache.untyped_storage():
+            self.write_cache(v_cache, v, slots)
+
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, rotary: Rotary
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D] and k [T, Hkv, D] turned by ``rotary``."""
+        if rotary.norms is not None:
+            wq, wk, eps, offset = rotary.norms
+            q, k = self.rms_norm(q, wq, eps, offset), self.rms_norm(k, wk, eps, offset)
+        q, k = self.rope(q, k, rotary.cos, rotary.sin)
+        if rotary.key_offset is not None:
+            k = k - rotary.key_offset.to(k.dtype)
+        return q, k
+
+    def rotate_and_write(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary: Rotary,
+        kv_cache: KVCache,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """``rotate``, then ``write_kv`` of the turned keys; returns the turned queries. A
+        decode step's door: a backend may do it in one kernel."""
+        q, k = self.rotate(q, k, rotary)
+        self.write_kv(k, v, kv_cache, slots)
+        return q
 
     def load_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype a model served in ``dtype`` is loaded in, before ``prepare``."""
@@ -198,6 +251,22 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """``reference.rms_norm`` of x [..., D] by weight [D]."""
         return reference.rms_norm(x, weight, eps, offset)
+
+    def add_rms_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        offset: float,
+        before: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``reference.add_rms_norm``: (normalized, sum) of ``residual + x``."""
+        return reference.add_rms_norm(x, residual, weight, eps, offset, before)
+
+    def act_mul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+        """``reference.act_mul``: a gated MLP's act(gate) * up."""
+        return reference.act_mul(x, activation)
 
     def rope(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -444,6 +513,7 @@ class TritonBackend(AttentionBackend):
         from kernels import (
             kv_quant,
             rotary,
+            triton_act,
             triton_attention,
             triton_norm,
             triton_quant,
@@ -456,6 +526,7 @@ class TritonBackend(AttentionBackend):
         self._quant = triton_quant
         self._norm = triton_norm
         self._rope = triton_rope
+        self._act = triton_act
         self._run = run
         self._sms = sms
 
@@ -468,6 +539,28 @@ class TritonBackend(AttentionBackend):
         q, k, launch = self._rope.rope_launch(q, k, cos, sin)
         self._run(launch)
         return q, k
+
+    def add_rms_norm(self, x, residual, weight, eps, offset, before=None):
+        out, total, launch = self._norm.add_rms_norm_launch(
+            x, residual, weight, eps, offset, before
+        )
+        self._run(launch)
+        return out, total
+
+    def act_mul(self, x, activation):
+        out, launch = self._act.act_mul_launch(x, activation)
+        self._run(launch)
+        return out
+
+    def rotate_and_write(self, q, k, v, rotary, kv_cache, slots):
+        # Float caches of their own (not MLA's shared rows): one kernel; else the two steps.
+        k_cache, v_cache = kv_cache
+        quantized = any(self._kv_quant.is_quantized(c) for c in kv_cache)
+        if quantized or v_cache.untyped_storage() is k_cache.untyped_storage():
+            return super().rotate_and_write(q, k, v, rotary, kv_cache, slots)
+        q, launch = self._rope.rotate_write_launch(q, k, v, rotary, k_cache, v_cache, slots)
+        self._run(launch)
+        return q
 
     def _launch(self, launches: list[Launch]) -> None:
         for launch in launches:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kernels.backend import AttentionBackend, AttentionMetadata, KVCache
+from kernels.backend import AttentionBackend, AttentionMetadata, KVCache, Rotary
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,14 @@ class ForwardContext:
         return None if self.scores is None else self.scores[layer_id]
 
     def attention(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        rotary: Rotary | None = None,
     ) -> torch.Tensor:
-        """q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv] -> [T, Hq, Dv]; writes k, v to the
-        layer's cache (``AttentionBackend.forward``)."""
-        return self.backend.forward(q, k, v, layer_id, self, scale)
+        """q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv] -> [T, Hq, Dv], q and k turned by
+        ``rotary`` first; writes k, v to the layer's cache (``AttentionBackend.forward``)."""
+        return self.backend.forward(q, k, v, layer_id, self, scale, rotary)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -
     if offset == 0:
         return weight.to(x.dtype) * xf.to(x.dtype)
     return (xf * (weight.float() + offset)).to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float,
+    before: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm layer's residual add and the norm after it: ``residual + x`` in the model's
+    dtype (``x`` first normalized by the weight ``before`` where given, Gemma's norm after
+    each sublayer), and its ``rms_norm``. Returns (normalized, sum)."""
+    if before is not None:
+        x = rms_norm(x, before, eps, offset)
+    total = residual + x
+    return rms_norm(total, weight, eps, offset), total
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+    "gelu_tanh": partial(F.gelu, approximate="tanh"),
+}
+
+
+def act_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """A gated MLP's ``act(gate) * up`` of x [..., 2 * inter] (gate, then up), each operation
+    rounded to x's dtype; ``activation`` is a transformers ``hidden_act`` name."""
+    gate, up = x.chunk(2, dim=-1)
+    return ACTIVATIONS[activation](gate) * up
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

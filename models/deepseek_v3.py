@@ -34,7 +34,14 @@ from kernels.paged import ForwardContext
 from kernels.rotary import RopeLayout
 from models.config import ModelConfig
 from models.kv_spec import KVCacheGroup, MLASpec
-from models.layers import ACTIVATIONS, GATE_UP_PACKED, GatedMLP, RMSNorm
+from models.layers import (
+    ACTIVATIONS,
+    GATE_UP_PACKED,
+    GatedMLP,
+    PreNormLayer,
+    RMSNorm,
+    layer_by_layer,
+)
 from models.loader import load_by_name
 
 # transformers builds q_a_layernorm / kv_a_layernorm with the default eps, not rms_norm_eps.
@@ -312,7 +319,7 @@ class MoE(nn.Module):
         return out
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormLayer):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
@@ -324,10 +331,6 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(cfg.hidden_size, cfg.hf["intermediate_size"], act)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
-
-    def forward(self, x, cos, sin, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DeepseekV3Model(nn.Module):
@@ -378,9 +381,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         cos = (freqs.cos() * self.rope_attention_factor).to(x.dtype)
         sin = (freqs.sin() * self.rope_attention_factor).to(x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, ctx)
-        return self.model.norm(x)
+        layers = self.model.layers
+        return layer_by_layer(layers, x, [(cos, sin)] * len(layers), ctx, self.model.norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

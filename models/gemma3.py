@@ -15,6 +15,7 @@ import math
 import torch
 from torch import nn
 
+from kernels.backend import Rotary
 from kernels.paged import ForwardContext
 from kernels.rotary import RopeLayout
 from models.config import ModelConfig
@@ -81,12 +82,10 @@ class Gemma3Attention(LlamaAttention):
         self.k_norm = RMSNorm(self.head_dim, eps, offset=1.0)
         self.scale = cfg.get("query_pre_attn_scalar", self.head_dim) ** -0.5
 
-    def forward(self, x, cos, sin, ctx: ForwardContext):
-        q, k, v = self.project(x)
-        q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ctx.backend.rope(q, k, cos, sin)
-        out = ctx.attention(self.layer_id, q, k, v, self.scale)
-        return self.o_proj(out.reshape(x.shape[0], -1))
+    def rotary(self, cos: torch.Tensor, sin: torch.Tensor) -> Rotary:
+        q, k = self.q_norm, self.k_norm
+        assert (q.eps, q.offset) == (k.eps, k.offset)
+        return Rotary(cos, sin, None, (q.weight, k.weight, q.eps, q.offset))
 
 
 class Gemma3DecoderLayer(DecoderLayer):
@@ -111,11 +110,19 @@ class Gemma3DecoderLayer(DecoderLayer):
             self.post_feedforward_layernorm,
         )
 
-    def forward(self, x, cos, sin, ctx):
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        x = x + self.post_attention_layernorm(attn)
-        mlp = self.mlp(self.pre_feedforward_layernorm(x))
-        return x + self.post_feedforward_layernorm(mlp)
+    @property
+    def output_norm(self) -> RMSNorm:
+        """The norm of the MLP's output, applied by the next norm's call with the residual
+        add (``models.layers.layer_by_layer``)."""
+        return self.post_feedforward_layernorm
+
+    def forward(self, x, residual, before, cos, sin, ctx):
+        h, residual = self.input_layernorm.add(x, residual, before)
+        attn = self.self_attn(h, cos, sin, ctx)
+        h, residual = self.pre_feedforward_layernorm.add(
+            attn, residual, self.post_attention_layernorm
+        )
+        return self.mlp(h), residual
 
 
 class Gemma3Model(nn.Module):
@@ -192,7 +199,7 @@ class Gemma3ForCausalLM(nn.Module):
             for kind in (FULL, SLIDING)
         }
         per_layer = [rope[self._rope_kind(i)] for i in range(len(self.model.layers))]
-        return self.model.norm(run_layers(self.model.layers, x, per_layer, ctx))
+        return run_layers(self.model.layers, x, per_layer, ctx, self.model.norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

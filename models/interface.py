@@ -3,8 +3,9 @@
 To add an architecture: write a module with an ``nn.Module`` class that has these members
 (``models/llama.py`` is the shortest example), and name it in ``models.loader.ARCHITECTURES``
 under the ``architectures`` string of its config.json. Attention goes through
-``ForwardContext.attention(layer_id, q, k, v, scale)``, which reads and writes the paged cache;
-the model never sees block tables. Projections that read the same input are packed into one
+``ForwardContext.attention(layer_id, q, k, v, scale, rotary)``, which turns q and k by the
+layer's ``kernels.backend.Rotary`` (norms, rotary, key offset), reads and writes the paged
+cache; the model never sees block tables. Projections that read the same input are packed into one
 module when the checkpoint is loaded (``packed_modules_mapping``). Tests compare the new class
 with transformers' own on the same weights (tests/models/).
 

@@ -12,20 +12,13 @@ fits a loaded model to its kernels once (``prepare``): the modules here never sw
 from __future__ import annotations
 
 import functools
-from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import reference
+from kernels.reference import ACTIVATIONS
 from kernels.weights import DecoderLayerWeights, Weight
-
-ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
-    "gelu_tanh": partial(F.gelu, approximate="tanh"),
-}
 
 # Checkpoint projections packed into one module at load: checkpoint module name -> (packed
 # module, part). nano-vllm's ``packed_modules_mapping``.
@@ -50,7 +43,12 @@ class PackedLinear(nn.Linear):
 class RMSNorm(nn.Module):
     """RMSNorm (``kernels.reference.rms_norm``; ``offset=1`` for models that store the weight
     as w - 1), by the backend the model runs on once ``use_backend`` names it (the Triton one
-    normalizes in one kernel), else by the torch reference."""
+    normalizes in one kernel), else by the torch reference.
+
+    ``add`` also adds ``x`` to the residual stream first, as vLLM's fused add-norm does: the
+    residual add of a pre-norm layer joins the next norm's kernel. Its ``before`` is a norm
+    that ``x`` still needs before it is added (Gemma's norm after each sublayer), applied in
+    the same call."""
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
@@ -60,38 +58,66 @@ class RMSNorm(nn.Module):
         self.backend = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.backend is None:
-            return reference.rms_norm(x, self.weight, self.eps, self.offset)
-        return self.backend.rms_norm(x, self.weight, self.eps, self.offset)
+        return self._ops.rms_norm(x, self.weight, self.eps, self.offset)
 
+    def add(
+        self, x: torch.Tensor, residual: torch.Tensor | None, before: RMSNorm | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normalized, new residual) of ``residual + x``; without a residual the stream
+        starts here, at x."""
+        if residual is None:
+            return self(x if before is None else before(x)), x
+        if before is not None and (before.eps, before.offset) != (self.eps, self.offset):
+            x, before = before(x), None
+        w = None if before is None else before.weight
+        return self._ops.add_rms_norm(x, residual, self.weight, self.eps, self.offset, w)
 
-def use_backend(model: nn.Module, backend) -> None:
-    """The model's norms run on ``backend`` (a ``kernels.backend.AttentionBackend``) from now."""
-    for module in model.modules():
-        if isinstance(module, RMSNorm):
-            module.backend = backend
+    @property
+    def _ops(self):
+        # The backend's operations have the reference functions' signatures.
+        return reference if self.backend is None else self.backend
 
 
 class GatedMLP(nn.Module):
     """down_proj(act(gate) * up), gate and up by one ``gate_up_proj`` [2 * inter, hidden]
     (the checkpoint's gate_proj and up_proj); ``activation`` is a transformers ``hidden_act``
-    name."""
+    name. ``act(gate) * up`` is one operation of the backend (``use_backend``), one kernel on
+    the GPU."""
 
     def __init__(self, hidden: int, inter: int, activation: str = "silu", bias: bool = False):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"unsupported MLP activation {activation!r}")
         self.activation = activation
-        self.act = ACTIVATIONS[activation]
         self.gate_up_proj = PackedLinear(hidden, (inter, inter), bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.backend = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        ops = reference if self.backend is None else self.backend  # as RMSNorm's
+        return self.down_proj(ops.act_mul(self.gate_up_proj(x), self.activation))
 
 
-class DecoderLayer(nn.Module):
+def use_backend(model: nn.Module, backend) -> None:
+    """The model's norms and MLP activations run on ``backend`` (a
+    ``kernels.backend.AttentionBackend``) from now."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, GatedMLP)):
+            module.backend = backend
+
+
+class PreNormLayer(nn.Module):
+    """x + attention(norm(x)), then x + mlp(norm(x)): ``self_attn``, ``mlp``,
+    ``input_layernorm`` and ``post_attention_layernorm``, the residual stream in and out as
+    ``layer_by_layer`` carries it."""
+
+    def forward(self, x, residual, before, cos, sin, ctx):
+        h, residual = self.input_layernorm.add(x, residual, before)
+        h, residual = self.post_attention_layernorm.add(self.self_attn(h, cos, sin, ctx), residual)
+        return self.mlp(h), residual
+
+
+class DecoderLayer(PreNormLayer):
     """A pre-norm decoder layer (``self_attn`` with a ``qkv_proj``, ``mlp`` a GatedMLP), as a
     backend that runs whole layers takes it (``kernels.backend.WholeLayer``): its weights by
     name and its constants. Subclasses name their norms in ``norms()``."""
@@ -137,15 +163,25 @@ def key_offset(attention: nn.Module) -> torch.Tensor | None:
     return None if offset is None else offset.float().flatten().contiguous()
 
 
-def run_layers(layers, x: torch.Tensor, rope: list, ctx) -> torch.Tensor:
-    """``x`` through ``layers`` (``rope`` their (cos, sin)): in one call where the backend
-    runs whole layers (``decoder_layers``), else module by module."""
+def layer_by_layer(layers, x: torch.Tensor, rope: list, ctx, norm: RMSNorm) -> torch.Tensor:
+    """``x`` through ``layers`` (``rope`` their (cos, sin)) and the final ``norm``, module by
+    module. Between layers the residual stream is (x, residual): each layer's input norm adds
+    x to the residual (``RMSNorm.add``), and a layer's ``output_norm`` is the norm its output
+    x still needs on the way (``RMSNorm.add``'s ``before``)."""
+    residual, before = None, None
+    for layer, (cos, sin) in zip(layers, rope):
+        x, residual = layer(x, residual, before, cos, sin, ctx)
+        before = getattr(layer, "output_norm", None)
+    return norm.add(x, residual, before)[0]
+
+
+def run_layers(layers, x: torch.Tensor, rope: list, ctx, norm: RMSNorm) -> torch.Tensor:
+    """``x`` through ``layers`` (``rope`` their (cos, sin)) and the final ``norm``: in one call
+    where the backend runs whole layers (``decoder_layers``), else ``layer_by_layer``."""
     out = ctx.backend.decoder_layers(layers, x, rope, ctx)
-    if out is None:
-        out = x
-        for layer, (cos, sin) in zip(layers, rope):
-            out = layer(out, cos, sin, ctx)
-    return out
+    if out is not None:
+        return norm(out)
+    return layer_by_layer(layers, x, rope, ctx, norm)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.backend import Rotary
 from kernels.paged import ForwardContext
 from kernels.rotary import RopeLayout
 from kernels.weights import Weight
@@ -91,12 +92,13 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         return q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
 
+    def rotary(self, cos: torch.Tensor, sin: torch.Tensor) -> Rotary:
+        """How this layer turns its new queries and keys before attention."""
+        return Rotary(cos, sin, self.key_offset)
+
     def forward(self, x, cos, sin, ctx: ForwardContext):
         q, k, v = self.project(x)
-        q, k = ctx.backend.rope(q, k, cos, sin)
-        if self.key_offset is not None:
-            k = k - self.key_offset.to(k.dtype)
-        out = ctx.attention(self.layer_id, q, k, v, self.scale)
+        out = ctx.attention(self.layer_id, q, k, v, self.scale, self.rotary(cos, sin))
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
@@ -116,10 +118,6 @@ class LlamaDecoderLayer(DecoderLayer):
 
     def norms(self):
         return self.input_layernorm, self.post_attention_layernorm, None, None
-
-    def forward(self, x, cos, sin, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
@@ -170,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         layers = self.model.layers
-        return self.model.norm(run_layers(layers, x, [(cos, sin)] * len(layers), ctx))
+        return run_layers(layers, x, [(cos, sin)] * len(layers), ctx, self.model.norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -49,3 +49,24 @@ def test_more_dims_and_no_rows():
     torch.testing.assert_close(got.view(x.shape), reference.rms_norm(x, weight, 1e-5, 0.0))
     empty = torch.empty(0, 16, device=DEVICE)
     assert TritonBackend().rms_norm(empty, weight, 1e-5, 0.0).shape == (0, 16)
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("offset,before", [(0.0, False), (1.0, False), (1.0, True)])
+def test_residual_add_and_norm_equal_the_reference(dtype, offset, before):
+    """The residual add joined to the next norm (Gemma's: the sublayer's own norm first); the
+    sum is the stream the next layer adds to, so it must equal torch's add exactly."""
+    g = torch.Generator().manual_seed(7)
+    dim = 72
+    x, residual = ((torch.randn(4, dim, generator=g) * 3).to(DEVICE, dtype) for _ in range(2))
+    weight, first = (torch.randn(dim, generator=g).to(DEVICE, dtype) for _ in range(2))
+    first = first if before else None
+    got, got_sum = TritonBackend().add_rms_norm(x, residual, weight, 1e-6, offset, first)
+    expected, expected_sum = reference.add_rms_norm(x, residual, weight, 1e-6, offset, first)
+    assert got.dtype == got_sum.dtype == dtype and got.shape == got_sum.shape == x.shape
+    # With the sublayer's norm first, the sum inherits that norm's unit in the last place; the
+    # interpreter's bfloat16 casts truncate (``test_triton_rope``), a unit off on the CPU.
+    truncated = dtype == torch.bfloat16 and DEVICE == "cpu"
+    sum_tol = TOL[dtype] if before or truncated else 0.0
+    torch.testing.assert_close(got_sum, expected_sum, rtol=sum_tol, atol=sum_tol * 3)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=TOL[dtype], atol=TOL[dtype])

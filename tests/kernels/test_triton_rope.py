@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.backend import TritonBackend
+from kernels.backend import Rotary, TorchBackend, TritonBackend
 from models.layers import rope_cos_sin
 
 pytest.importorskip("triton")
@@ -35,3 +35,37 @@ def test_queries_and_keys_of_a_fused_projection_rotate_as_the_reference(dtype, d
         expected = reference.apply_rope(x, cos, sin)
         assert got.dtype == dtype and got.shape == x.shape and got.is_contiguous()
         torch.testing.assert_close(got, expected, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16),
+                                               (torch.float16, torch.float32)])  # fmt: skip
+@pytest.mark.parametrize("norms,key_offset", [(False, False), (True, False), (False, True)])
+def test_a_decode_step_turns_and_writes_in_one_launch(dtype, cache_dtype, norms, key_offset):
+    """Per-head norms (Gemma), rotary and the key offset (Qwen2 over a quantized cache...) of a
+    decode step's q and k, k and v stored to their slots (-1 skipped), as the reference path
+    of separate operations leaves them."""
+    g = torch.Generator().manual_seed(3)
+    tokens, hq, hk, dim, blocks, bs = 3, 4, 2, 64, 3, 4
+    qkv = torch.randn(tokens, (hq + 2 * hk) * dim, generator=g).to(DEVICE, dtype)
+    q, k, v = qkv.split([hq * dim, hk * dim, hk * dim], -1)
+    q, k, v = q.view(tokens, hq, dim), k.view(tokens, hk, dim), v.view(tokens, hk, dim)
+    cos, sin = rope_cos_sin(torch.tensor([5, 0, 900], device=DEVICE),
+                            1.0 / (1e4 ** (torch.arange(0, dim, 2).float() / dim)).to(DEVICE),
+                            dtype)  # fmt: skip
+    rotary = Rotary(
+        cos, sin,
+        torch.randn(hk, dim, generator=g).to(DEVICE) * 5 if key_offset else None,
+        (torch.randn(dim, generator=g).to(DEVICE, dtype),
+         torch.randn(dim, generator=g).to(DEVICE, dtype), 1e-6, 1.0) if norms else None,
+    )  # fmt: skip
+    slots = torch.tensor([6, -1, 9], device=DEVICE)
+    results = []
+    for backend in (TorchBackend(), TritonBackend()):
+        caches = tuple(torch.zeros(blocks, bs, hk, dim, dtype=cache_dtype, device=DEVICE)
+                       for _ in range(2))  # fmt: skip
+        results.append((backend.rotate_and_write(q, k, v, rotary, caches, slots), *caches))
+    tol = TOL[dtype] if dtype != torch.float16 else 2**-10  # the norm's unit in the last place
+    for got, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(got, expected, rtol=tol, atol=tol * 4)
+    assert results[1][1].flatten(0, 1)[[0, 1, 2, 3, 4, 5, 7, 8, 10, 11]].abs().sum() == 0
