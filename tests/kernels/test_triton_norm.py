@@ -69,4 +69,5 @@ def test_residual_add_and_norm_equal_the_reference(dtype, offset, before):
     truncated = dtype == torch.bfloat16 and DEVICE == "cpu"
     sum_tol = TOL[dtype] if before or truncated else 0.0
     torch.testing.assert_close(got_sum, expected_sum, rtol=sum_tol, atol=sum_tol * 3)
-    torch.testing.assert_close(got.float(), expected.float(), rtol=TOL[dtype], atol=TOL[dtype])
+    tol = TOL[dtype] * (2 if truncated else 1)  # a truncated sum, normalized
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
