@@ -56,10 +56,15 @@ SMS = 132  # an H100 SXM's multiprocessors, which the decode plan splits context
 
 
 class Unfused(TritonBackend):
-    """The Triton backend with norms and rotary by the torch reference (the base class's)."""
+    """The Triton backend with norms, residual adds, rotary and MLP activations by the torch
+    reference (the base class's), each cache write a launch of its own."""
 
     rms_norm = AttentionBackend.rms_norm
     rope = AttentionBackend.rope
+    add_rms_norm = AttentionBackend.add_rms_norm
+    act_mul = AttentionBackend.act_mul
+    rotate_and_write = AttentionBackend.rotate_and_write
+    latent_rows_and_write = AttentionBackend.latent_rows_and_write
 
 
 class Counter(TorchDispatchMode):
@@ -123,9 +128,9 @@ def _step(model, cfg, backend, batch: int, context: int):
 
 def count(name: str, batch: int = 1, context: int = 1024, fused: bool = True) -> dict:
     """Per decoder layer (the mean over layers) and outside them: torch operators by name and
-    Triton launches by kernel, of one decode step of ``name``. ``fused=False``: norms and
-    rotary by the torch reference, as the CUDA path ran them on 2026-11-26 (its H100
-    profile)."""
+    Triton launches by kernel, of one decode step of ``name``. ``fused=False``: norms, residual
+    adds, rotary and activations by the torch reference, as the CUDA path ran them on
+    2026-11-26 (its H100 profile)."""
     from models.layers import use_backend
     from models.loader import model_class
 

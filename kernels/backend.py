@@ -97,6 +97,19 @@ class Rotary:
     norms: tuple[torch.Tensor, torch.Tensor, float, float] | None = None
 
 
+@dataclass(frozen=True)
+class LatentRotary:
+    """How an MLA layer makes its query and cached row (``models.deepseek_v3``): the latent
+    normalized by RMSNorm ``norm`` (weight, eps), the rotary parts (its queries' and the key's)
+    rotated by cos/sin [T, P / 2] over pairs (``reference.apply_rope_pairs``: ``interleave``
+    pairs neighbours, DeepSeek's layout), each row written half-split."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    interleave: bool
+    norm: tuple[torch.Tensor, float]
+
+
 class Step(Protocol):
     """What a backend reads of a step (``kernels.paged.ForwardContext``)."""
 
@@ -180,27 +193,65 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """A layer's attention over the step: q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv]
         -> [T, Hq, Dv], q and k turned by ``rotary`` first where given; writes k and v to the
-        layer's cache. Prefill attention runs before the
-        cache write, because a sliding-window chunk may overwrite ring slots that its own first
-        tokens still read; decode runs after it. A layer that keeps importance scores clears
+        layer's cache. Prefill attention runs before the cache write, because a sliding-window
+        chunk may overwrite ring slots that its own first tokens still read; decode runs after
+        it. A layer that keeps importance scores clears
         those of the slots it writes, and adds to them where ``meta.score_from`` asks."""
+        kv_cache, meta, scores = self._layer(layer_id, batch)
+        if q.shape[0] == meta.num_decodes and rotary is not None:
+            q = self.rotate_and_write(q, k, v, rotary, kv_cache, meta.slot_mapping)
+            return self._decode(q, kv_cache, meta, scale, scores)
+        if rotary is not None:
+            q, k = self.rotate(q, k, rotary)
+        return self._attend(q, k, v, kv_cache, meta, scale, scores)
+
+    def latent_forward(
+        self,
+        q_latent: torch.Tensor,
+        q_pe: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        layer_id: int,
+        batch: Step,
+        scale: float,
+        rotary: LatentRotary,
+    ) -> torch.Tensor:
+        """``forward`` of an MLA layer: its query [T, H, R + P] and cached row [T, 1, R + P]
+        made of the absorbed query q_latent [T, H, R], the rotary query q_pe [T, H, P], the
+        latent c_kv [T, R] and the rotary key k_pe [T, P] by ``rotary``
+        (``latent_rows``); the value is the row's first R columns."""
+        kv_cache, meta, scores = self._layer(layer_id, batch)
+        rows = (q_latent, q_pe, c_kv, k_pe, rotary)
+        if q_latent.shape[0] == meta.num_decodes:
+            q = self.latent_rows_and_write(*rows, kv_cache, meta.slot_mapping)
+            return self._decode(q, kv_cache, meta, scale, scores)
+        query, key = self.latent_rows(*rows)
+        v = key[..., : c_kv.shape[-1]]
+        return self._attend(query, key, v, kv_cache, meta, scale, scores)
+
+    def _layer(self, layer_id: int, batch: Step):
+        """A layer's cache, metadata and the importance scores this step adds to (None: none),
+        the scores of the slots it writes cleared."""
         kv_cache, meta = batch.layer(layer_id)
         scores = batch.layer_scores(layer_id)
         if scores is not None:
             reference.clear_scores(scores, meta.slot_mapping)
             scores = scores if meta.score_from is not None else None
+        return kv_cache, meta, scores
+
+    def _decode(self, q, kv_cache: KVCache, meta: AttentionMetadata, scale, scores):
+        """A step of decodes only, its rows already written."""
+        return self.decode(q, kv_cache, meta.decodes, scale, scores).to(q.dtype)
+
+    def _attend(self, q, k, v, kv_cache: KVCache, meta: AttentionMetadata, scale, scores):
+        """Attention of a step's turned rows, which it writes to the cache."""
         nd = meta.num_decodes
         outs = []
-        if q.shape[0] == nd and rotary is not None:
-            q = self.rotate_and_write(q, k, v, rotary, kv_cache, meta.slot_mapping)
-        else:
-            if rotary is not None:
-                q, k = self.rotate(q, k, rotary)
-            if q.shape[0] > nd:
-                outs.append(
-                    self.prefill(q[nd:], k[nd:], v[nd:], kv_cache, meta.prefills, scale, scores)
-                )
-            self.write_kv(k, v, kv_cache, meta.slot_mapping)
+        if q.shape[0] > nd:
+            outs.append(
+                self.prefill(q[nd:], k[nd:], v[nd:], kv_cache, meta.prefills, scale, scores)
+            )
+        self.write_kv(k, v, kv_cache, meta.slot_mapping)
         if nd:
             outs.insert(0, self.decode(q[:nd], kv_cache, meta.decodes, scale, scores))
         # A step of one kind returns its kernel's output as it is: no copy.
@@ -241,6 +292,37 @@ class AttentionBackend(ABC):
         q, k = self.rotate(q, k, rotary)
         self.write_kv(k, v, kv_cache, slots)
         return q
+
+    def latent_rows(
+        self,
+        q_latent: torch.Tensor,
+        q_pe: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        rotary: LatentRotary,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """An MLA step's query [T, H, R + P] and key rows [T, 1, R + P] (``latent_forward``)."""
+        cos, sin, interleave = rotary.cos, rotary.sin, rotary.interleave
+        q_pe = reference.apply_rope_pairs(q_pe, cos, sin, interleave)
+        k_pe = reference.apply_rope_pairs(k_pe[:, None, :], cos, sin, interleave)
+        latent = self.rms_norm(c_kv, *rotary.norm, 0.0)[:, None, :]
+        return torch.cat([q_latent, q_pe], dim=-1), torch.cat([latent, k_pe], dim=-1)
+
+    def latent_rows_and_write(
+        self,
+        q_latent: torch.Tensor,
+        q_pe: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        rotary: LatentRotary,
+        kv_cache: KVCache,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """``latent_rows``, the key rows written to the cache; returns the query. A decode
+        step's door: a backend may do it in one kernel."""
+        query, key = self.latent_rows(q_latent, q_pe, c_kv, k_pe, rotary)
+        self.write_kv(key, key[..., : c_kv.shape[-1]], kv_cache, slots)
+        return query
 
     def load_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype a model served in ``dtype`` is loaded in, before ``prepare``."""
@@ -559,6 +641,18 @@ class TritonBackend(AttentionBackend):
         if quantized or v_cache.untyped_storage() is k_cache.untyped_storage():
             return super().rotate_and_write(q, k, v, rotary, kv_cache, slots)
         q, launch = self._rope.rotate_write_launch(q, k, v, rotary, k_cache, v_cache, slots)
+        self._run(launch)
+        return q
+
+    def latent_rows_and_write(self, q_latent, q_pe, c_kv, k_pe, rotary, kv_cache, slots):
+        cache = kv_cache[0]
+        if self._kv_quant.is_quantized(cache):
+            return super().latent_rows_and_write(
+                q_latent, q_pe, c_kv, k_pe, rotary, kv_cache, slots
+            )
+        q, launch = self._rope.latent_rows_write_launch(
+            q_latent, q_pe, c_kv, k_pe, rotary, cache, slots
+        )
         self._run(launch)
         return q
 

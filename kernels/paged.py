@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kernels.backend import AttentionBackend, AttentionMetadata, KVCache, Rotary
+from kernels.backend import AttentionBackend, AttentionMetadata, KVCache, LatentRotary, Rotary
 
 
 @dataclass(frozen=True)
@@ -65,3 +65,18 @@ class ForwardContext:
         """q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv] -> [T, Hq, Dv], q and k turned by
         ``rotary`` first; writes k, v to the layer's cache (``AttentionBackend.forward``)."""
         return self.backend.forward(q, k, v, layer_id, self, scale, rotary)
+
+    def latent_attention(
+        self,
+        layer_id: int,
+        q_latent: torch.Tensor,
+        q_pe: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        scale: float,
+        rotary: LatentRotary,
+    ) -> torch.Tensor:
+        """An MLA layer's attention over latents -> [T, H, R]; writes its rows to the cache
+        (``AttentionBackend.latent_forward``)."""
+        return self.backend.latent_forward(q_latent, q_pe, c_kv, k_pe, layer_id, self, scale,
+                                           rotary)  # fmt: skip

@@ -77,6 +77,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def apply_rope_pairs(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
+) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, D / 2]. Rotates pairs (x[2i], x[2i+1]) when ``interleave``
+    (DeepSeek's layout), else (x[i], x[i + D/2]); the result is in the half-split layout."""
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
 def _blocks_and_offsets(
     table: torch.Tensor, positions: torch.Tensor, block_size: int, window: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,9 @@ products, two sums).
 A decode step's whole turn-and-write is one kernel too (``rotate_write_launch``): per-head
 norms, rotary and key offset of ``kernels.backend.Rotary`` for queries and keys, the keys and
 values stored to their cache slots (``_write_cache_kernel``'s scatter), where the reference
-path launches a norm per q and k, the rotary kernel, a subtraction and two cache writes."""
+path launches a norm per q and k, the rotary kernel, a subtraction and two cache writes; and
+an MLA decode step's query and cached row (``latent_rows_write_launch``), where the reference
+path launches a norm, two rotations of ten operators, two concatenations and a cache write."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import Launch
-from kernels.triton_norm import _inv_rms, _weigh
+from kernels.triton_norm import _inv_rms, _normalize, _weigh
 
 
 @triton.jit
@@ -162,6 +164,74 @@ def _rotate_write_kernel(
             tl.store(dst + HALF + d, y2.to(dtype).to(cache_dtype), mask=stored)
 
 
+@triton.jit
+def _latent_rows_kernel(
+    latent_ptr,
+    q_pe_ptr,
+    c_kv_ptr,
+    k_pe_ptr,
+    cos_ptr,
+    sin_ptr,
+    w_ptr,
+    slot_ptr,
+    q_out,
+    cache_ptr,
+    stride_lt,
+    stride_lh,
+    stride_pt,
+    stride_ph,
+    stride_ct,
+    stride_kt,
+    stride_cs,
+    stride_cn,
+    stride_cb,
+    eps,
+    H: tl.constexpr,
+    R: tl.constexpr,
+    HALF: tl.constexpr,
+    BS: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # Programs (token, h): h < H a query head's row [latent, rotated q_pe], h == H the key's.
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    r = tl.arange(0, BLOCK_R)
+    ok_r = r < R
+    j = tl.arange(0, BLOCK)
+    ok = j < HALF
+    if INTERLEAVE:
+        i1, i2 = 2 * j, 2 * j + 1
+    else:
+        i1, i2 = j, j + HALF
+    dtype = q_out.dtype.element_ty
+    c = tl.load(cos_ptr + t * stride_cs + j, mask=ok, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_cs + j, mask=ok, other=0.0).to(tl.float32)
+    if h < H:
+        latent = tl.load(latent_ptr + t * stride_lt + h * stride_lh + r, mask=ok_r, other=0.0)
+        src = q_pe_ptr + t * stride_pt + h * stride_ph
+        dst = q_out + (t * H + h) * (R + 2 * HALF)
+        stored_r, stored = ok_r, ok
+    else:
+        x = tl.load(c_kv_ptr + t * stride_ct + r, mask=ok_r, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + r, mask=ok_r, other=0.0)
+        latent = _normalize(x, w, R, eps, 0.0, dtype)
+        src = k_pe_ptr + t * stride_kt
+        slot = tl.load(slot_ptr + t)
+        dst = cache_ptr + (slot // BS) * stride_cn + (slot % BS) * stride_cb
+        stored_r = r < tl.where(slot >= 0, R, 0)
+        stored = j < tl.where(slot >= 0, HALF, 0)
+    x1 = tl.load(src + i1, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + i2, mask=ok, other=0.0).to(tl.float32)
+    y1 = _round(x1 * c, dtype) + _round(-x2 * s, dtype)
+    y2 = _round(x2 * c, dtype) + _round(x1 * s, dtype)
+    out_dtype = dst.dtype.element_ty
+    tl.store(dst + r, latent.to(dtype).to(out_dtype), mask=stored_r)
+    tl.store(dst + R + j, y1.to(dtype).to(out_dtype), mask=stored)
+    tl.store(dst + R + HALF + j, y2.to(dtype).to(out_dtype), mask=stored)
+
+
 def rope_launch(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, Launch]:
@@ -210,3 +280,34 @@ def rotate_write_launch(
                   BLOCK=triton.next_power_of_2(dim // 2),
                   num_warps=1 if dim <= 128 else 2)  # fmt: skip
     return q_out, Launch(_rotate_write_kernel, (tokens, hq + 2 * hk), args, params)
+
+
+def latent_rows_write_launch(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    c_kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    rotary,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, Launch]:
+    """An MLA step's query [T, H, R + P] (``AttentionBackend.latent_rows``) in a new tensor,
+    its key rows stored to the float cache [N, bs, 1, R + P] at ``slots`` (-1: not stored),
+    and the one launch that does both. ``rotary`` is a ``kernels.backend.LatentRotary``."""
+    tokens, heads, rank = q_latent.shape
+    half = q_pe.shape[-1] // 2
+    assert cache.shape[2:] == (1, rank + 2 * half) and cache.stride(-1) == 1, cache.shape
+    q_latent, q_pe, c_kv, k_pe = (
+        x if x.stride(-1) == 1 else x.contiguous() for x in (q_latent, q_pe, c_kv, k_pe)
+    )
+    cos, sin = rotary.cos.contiguous(), rotary.sin.contiguous()
+    weight, eps = rotary.norm
+    out = torch.empty(tokens, heads, rank + 2 * half, dtype=q_latent.dtype, device=q_latent.device)
+    args = (q_latent, q_pe, c_kv, k_pe, cos, sin, weight, slots, out, cache,
+            q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
+            c_kv.stride(0), k_pe.stride(0), cos.stride(0), cache.stride(0), cache.stride(1),
+            eps)  # fmt: skip
+    params = dict(H=heads, R=rank, HALF=half, BS=cache.shape[1], INTERLEAVE=rotary.interleave,
+                  BLOCK_R=triton.next_power_of_2(rank), BLOCK=triton.next_power_of_2(half),
+                  num_warps=4)  # fmt: skip
+    return out, Launch(_latent_rows_kernel, (tokens, heads + 1), args, params)

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.backend import LatentRotary
 from kernels.paged import ForwardContext
 from kernels.rotary import RopeLayout
 from models.config import ModelConfig
@@ -38,12 +39,14 @@ from models.layers import (
     ACTIVATIONS,
     GATE_UP_PACKED,
     GatedMLP,
+    PackedLinear,
     PreNormLayer,
     RMSNorm,
     layer_by_layer,
 )
 from models.loader import load_by_name
 
+QKV_A_PACKED = {"q_a_proj": ("qkv_a_proj", 0), "kv_a_proj_with_mqa": ("qkv_a_proj", 1)}
 # transformers builds q_a_layernorm / kv_a_layernorm with the default eps, not rms_norm_eps.
 LORA_NORM_EPS = 1e-6
 
@@ -107,17 +110,6 @@ def softmax_scale(cfg: ModelConfig) -> float:
     return scale
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool):
-    """x [T, H, D]; cos/sin [T, D / 2]. Rotates pairs (x[2i], x[2i+1]) when ``interleave``
-    (DeepSeek's layout), else (x[i], x[i + D/2]); the result is in the half-split layout."""
-    if interleave:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-    else:
-        x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
 class MLAAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -132,13 +124,15 @@ class MLAAttention(nn.Module):
         self.scale = softmax_scale(cfg)
         h, bias = cfg.hidden_size, hf.get("attention_bias", False)
         q_out = self.num_heads * (self.nope_dim + self.rope_dim)
+        latent = self.kv_lora_rank + self.rope_dim
         if self.q_lora_rank:
-            self.q_a_proj = nn.Linear(h, self.q_lora_rank, bias=bias)
+            # The checkpoint's q_a_proj and kv_a_proj_with_mqa, both of the layer's input.
+            self.qkv_a_proj = PackedLinear(h, (self.q_lora_rank, latent), bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, LORA_NORM_EPS)
             self.q_b_proj = nn.Linear(self.q_lora_rank, q_out, bias=False)
         else:
             self.q_proj = nn.Linear(h, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.rope_dim, bias=bias)
+            self.kv_a_proj_with_mqa = nn.Linear(h, latent, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LORA_NORM_EPS)
         self.kv_b_proj = nn.Linear(
             self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False
@@ -148,21 +142,22 @@ class MLAAttention(nn.Module):
     def forward(self, x, cos, sin, ctx: ForwardContext):
         t, r = x.shape[0], self.kv_lora_rank
         if self.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_a, kv_a = self.qkv_a_proj(x).split([self.q_lora_rank, r + self.rope_dim], -1)
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
         else:
-            q = self.q_proj(x)
+            q, kv_a = self.q_proj(x), self.kv_a_proj_with_mqa(x)
         q_nope, q_pe = q.view(t, self.num_heads, -1).split([self.nope_dim, self.rope_dim], -1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([r, self.rope_dim], -1)
-        q_pe = apply_rope(q_pe, cos, sin, self.interleave)
-        k_pe = apply_rope(k_pe[:, None, :], cos, sin, self.interleave)
+        c_kv, k_pe = kv_a.split([r, self.rope_dim], -1)
         w_uk, w_uv = self.kv_b_proj.weight.view(self.num_heads, -1, r).split(
             [self.nope_dim, self.v_dim], dim=1
         )
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-        query = torch.cat([q_latent, q_pe], dim=-1)
-        key = torch.cat([self.kv_a_layernorm(c_kv)[:, None, :], k_pe], dim=-1)
-        # The value is a view of the key row, so the cache stores each latent once.
-        latent_out = ctx.attention(self.layer_id, query, key, key[..., :r], self.scale)
+        norm = self.kv_a_layernorm
+        rotary = LatentRotary(cos, sin, self.interleave, (norm.weight, norm.eps))
+        # The value is the cached row's latent, so the cache stores each latent once.
+        latent_out = ctx.latent_attention(
+            self.layer_id, q_latent, q_pe, c_kv, k_pe, self.scale, rotary
+        )
         out = torch.einsum("thr,hvr->thv", latent_out, w_uv)
         return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
 
@@ -352,8 +347,9 @@ class DeepseekV3ForCausalLM(nn.Module):
     # Decode batches (up to GATHER_MAX_TOKENS tokens) route on the device; MLA attention goes
     # through the cache like any other. Prefill's grouped MoE syncs, but it is not captured.
     cuda_graphs = True
-    # The dense and shared-expert MLPs' gate and up; MLA's q_proj stays a projection of its own.
-    packed_modules_mapping = GATE_UP_PACKED
+    # The dense and shared-expert MLPs' gate and up, and with a query LoRA its two projections of
+    # the layer's input; MLA's q_proj stays a projection of its own.
+    packed_modules_mapping = {**GATE_UP_PACKED, **QKV_A_PACKED}
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

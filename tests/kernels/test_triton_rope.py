@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.backend import Rotary, TorchBackend, TritonBackend
+from kernels.backend import LatentRotary, Rotary, TorchBackend, TritonBackend
 from models.layers import rope_cos_sin
 
 pytest.importorskip("triton")
@@ -69,3 +69,32 @@ def test_a_decode_step_turns_and_writes_in_one_launch(dtype, cache_dtype, norms,
     for got, expected in zip(results[1], results[0]):
         torch.testing.assert_close(got, expected, rtol=tol, atol=tol * 4)
     assert results[1][1].flatten(0, 1)[[0, 1, 2, 3, 4, 5, 7, 8, 10, 11]].abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_an_mla_decode_step_makes_its_query_and_writes_its_row_in_one_launch(dtype, interleave):
+    """The absorbed query beside its rotated part, and the latent normalized beside the
+    rotated key in the cache row, as the reference's norm, rotations and concatenations."""
+    g = torch.Generator().manual_seed(11)
+    tokens, heads, rank, rope, blocks, bs = 3, 4, 48, 16, 2, 4
+    q_latent = torch.randn(tokens, heads, rank, generator=g).to(DEVICE, dtype)
+    q = torch.randn(tokens, heads, 32 + rope, generator=g).to(DEVICE, dtype)
+    q_pe = q[..., 32:]  # the rotary part of q_b_proj's heads: strided
+    kv = torch.randn(tokens, rank + rope, generator=g).to(DEVICE, dtype)
+    c_kv, k_pe = kv.split([rank, rope], -1)
+    freqs = torch.tensor([3.0, 0.0, 700.0])[:, None] * 0.9 ** torch.arange(rope // 2)
+    cos, sin = (f(freqs).to(DEVICE, dtype) for f in (torch.cos, torch.sin))
+    weight = torch.randn(rank, generator=g).to(DEVICE, dtype)
+    rotary = LatentRotary(cos, sin, interleave, (weight, 1e-6))
+    slots = torch.tensor([5, -1, 2], device=DEVICE)
+    results = []
+    for backend in (TorchBackend(), TritonBackend()):
+        cache = torch.zeros(blocks, bs, 1, rank + rope, dtype=dtype, device=DEVICE)
+        kv_cache = (cache, cache[..., :rank])
+        query = backend.latent_rows_and_write(q_latent, q_pe, c_kv, k_pe, rotary, kv_cache, slots)
+        results.append((query, cache))
+    tol = 2 * 2**-7 if dtype == torch.bfloat16 else 1e-5
+    for got, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(got, expected, rtol=tol, atol=tol * 4)
+    assert results[1][1].flatten(0, 1)[[0, 1, 3, 4, 6, 7]].abs().sum() == 0
