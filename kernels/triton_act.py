@@ -15,7 +15,7 @@ from kernels.launch import Launch
 _SILU = tl.constexpr(0)
 _GELU_TANH = tl.constexpr(1)
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}
-_SQRT_2_OVER_PI = 0.7978845608028654
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 
 @triton.jit

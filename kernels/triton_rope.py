@@ -120,12 +120,12 @@ def _rotate_write_kernel(
     slot = tl.load(slot_ptr + t)
     if h >= HQ + HK:  # a value row, as it is
         hv = h - HQ - HK
-        src = v_ptr + t * stride_vt + hv * stride_vh
-        dst = v_cache + (slot // BS) * stride_vn + (slot % BS) * stride_vb + hv * stride_vc
-        stored = d < tl.where(slot >= 0, HALF, 0)
+        v_src = v_ptr + t * stride_vt + hv * stride_vh
+        v_dst = v_cache + (slot // BS) * stride_vn + (slot % BS) * stride_vb + hv * stride_vc
+        v_stored = d < tl.where(slot >= 0, HALF, 0)
         for part in tl.static_range(2):
-            x = tl.load(src + part * HALF + d, mask=ok, other=0.0)
-            tl.store(dst + part * HALF + d, x.to(v_cache.dtype.element_ty), mask=stored)
+            x = tl.load(v_src + part * HALF + d, mask=ok, other=0.0)
+            tl.store(v_dst + part * HALF + d, x.to(v_cache.dtype.element_ty), mask=v_stored)
     else:
         is_q = h < HQ
         hk = h - HQ
@@ -147,10 +147,10 @@ def _rotate_write_kernel(
             x2 = _round(_weigh(x2 * inv, w2, NORM_OFFSET, dtype), dtype)
         c, s = cos_ptr + t * stride_ct, sin_ptr + t * stride_ct
         y1, y2 = _turn(x1, x2, c, s, d, ok, HALF, dtype)
-        if is_q:
-            dst = q_out + (t * HQ + h) * 2 * HALF
-            tl.store(dst + d, y1.to(dtype), mask=ok)
-            tl.store(dst + HALF + d, y2.to(dtype), mask=ok)
+        if is_q:  # names apart from the other branch's: the cache may be of another dtype
+            q_dst = q_out + (t * HQ + h) * 2 * HALF
+            tl.store(q_dst + d, y1.to(dtype), mask=ok)
+            tl.store(q_dst + HALF + d, y2.to(dtype), mask=ok)
         else:
             if KEY_OFFSET:
                 o1 = tl.load(offset_ptr + hk * 2 * HALF + d, mask=ok, other=0.0)
@@ -209,27 +209,35 @@ def _latent_rows_kernel(
     c = tl.load(cos_ptr + t * stride_cs + j, mask=ok, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + t * stride_cs + j, mask=ok, other=0.0).to(tl.float32)
     if h < H:
-        latent = tl.load(latent_ptr + t * stride_lt + h * stride_lh + r, mask=ok_r, other=0.0)
-        src = q_pe_ptr + t * stride_pt + h * stride_ph
-        dst = q_out + (t * H + h) * (R + 2 * HALF)
-        stored_r, stored = ok_r, ok
+        # Names differ between the branches: Triton wants one type per name across them.
+        q_row = tl.load(latent_ptr + t * stride_lt + h * stride_lh + r, mask=ok_r, other=0.0)
+        q1, q2 = _turn_pairs(q_pe_ptr + t * stride_pt + h * stride_ph, i1, i2, ok, c, s, dtype)
+        q_dst = q_out + (t * H + h) * (R + 2 * HALF)
+        tl.store(q_dst + r, q_row.to(dtype), mask=ok_r)
+        tl.store(q_dst + R + j, q1.to(dtype), mask=ok)
+        tl.store(q_dst + R + HALF + j, q2.to(dtype), mask=ok)
     else:
         x = tl.load(c_kv_ptr + t * stride_ct + r, mask=ok_r, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + r, mask=ok_r, other=0.0)
         latent = _normalize(x, w, R, eps, 0.0, dtype)
-        src = k_pe_ptr + t * stride_kt
+        y1, y2 = _turn_pairs(k_pe_ptr + t * stride_kt, i1, i2, ok, c, s, dtype)
         slot = tl.load(slot_ptr + t)
         dst = cache_ptr + (slot // BS) * stride_cn + (slot % BS) * stride_cb
-        stored_r = r < tl.where(slot >= 0, R, 0)
+        cache_dtype = cache_ptr.dtype.element_ty
         stored = j < tl.where(slot >= 0, HALF, 0)
+        tl.store(dst + r, latent.to(dtype).to(cache_dtype), mask=r < tl.where(slot >= 0, R, 0))
+        tl.store(dst + R + j, y1.to(dtype).to(cache_dtype), mask=stored)
+        tl.store(dst + R + HALF + j, y2.to(dtype).to(cache_dtype), mask=stored)
+
+
+@triton.jit
+def _turn_pairs(src, i1, i2, ok, c, s, DTYPE: tl.constexpr):
+    """A rotary part's pairs (columns i1, i2) rotated by cos/sin values c, s."""
     x1 = tl.load(src + i1, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(src + i2, mask=ok, other=0.0).to(tl.float32)
-    y1 = _round(x1 * c, dtype) + _round(-x2 * s, dtype)
-    y2 = _round(x2 * c, dtype) + _round(x1 * s, dtype)
-    out_dtype = dst.dtype.element_ty
-    tl.store(dst + r, latent.to(dtype).to(out_dtype), mask=stored_r)
-    tl.store(dst + R + j, y1.to(dtype).to(out_dtype), mask=stored)
-    tl.store(dst + R + HALF + j, y2.to(dtype).to(out_dtype), mask=stored)
+    y1 = _round(x1 * c, DTYPE) + _round(-x2 * s, DTYPE)
+    y2 = _round(x2 * c, DTYPE) + _round(x1 * s, DTYPE)
+    return y1, y2
 
 
 def rope_launch(

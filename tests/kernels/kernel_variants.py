@@ -1,8 +1,9 @@
 """Every Triton kernel variant the launch code asks for, compiled ahead of time for sm_90 and
 sm_80 without a GPU, with the resources each compiled kernel takes.
 
-The launches come from the code that serves: ``forward`` (reached as a model's layers reach it,
-by ``kernels.paged.ForwardContext.attention``) and ``rotate_keys`` of the ``triton`` backend,
+The launches come from the code that serves: ``forward`` and ``latent_forward`` (reached as a
+model's layers reach them, by ``kernels.paged.ForwardContext``, with the layer's rotary), the
+norms and activation of a layer around them, and ``rotate_keys`` of the ``triton`` backend,
 whose ``run`` records each launch instead of running it, on meta tensors shaped as a model's
 steps are (its KV-cache groups from ``models``). A launch becomes a variant the way Triton's JIT
 makes one: the constexprs plus the specialization Triton derives from the arguments (integers
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import os
 import re
@@ -73,25 +75,30 @@ KV_DTYPES = ("int8", "fp8_e4m3", "int4")
 KV_MODEL_DTYPE = "bf16"
 KV_MODELS = ("SmolLM2-135M", "Llama-3-8B", "Gemma-3-270M", "DeepSeek-V3")
 
-# The config.json fields of the published checkpoints that shape attention and the cache.
+# The config.json fields of the published checkpoints that shape attention, the cache and the
+# kernels of a layer around them (norms, the MLP's activation).
 MODELS = {
     "SmolLM2-135M": {
         "architectures": ["LlamaForCausalLM"], "hidden_size": 576, "num_hidden_layers": 30,
         "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192,
+        "intermediate_size": 1536,
     },
     "Llama-3-8B": {
         "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 32,
         "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192,
+        "intermediate_size": 14336,
     },
     "Gemma-3-270M": {
         "architectures": ["Gemma3ForCausalLM"], "hidden_size": 640, "num_hidden_layers": 18,
         "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
         "sliding_window": 512, "sliding_window_pattern": 6, "max_position_embeddings": 32768,
+        "intermediate_size": 2048, "hidden_activation": "gelu_pytorch_tanh",
     },
     "DeepSeek-V3": {
         "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168, "num_hidden_layers": 61,
         "num_attention_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
         "qk_nope_head_dim": 128, "v_head_dim": 128, "max_position_embeddings": 163840,
+        "q_lora_rank": 1536, "intermediate_size": 18432,
     },
 }  # fmt: skip
 
@@ -210,6 +217,64 @@ def _layer_tensors(
     return (k_cache, v_cache), (torch.empty(tokens, num_heads, dk, **new), k, v)
 
 
+def _attend(ctx, cfg, spec, tokens: int, dtype: torch.dtype) -> None:
+    """Layer 0's attention over the step, its inputs as the model's layer makes them: views of
+    the fused projections' outputs, turned by the layer's rotary."""
+    from kernels.backend import LatentRotary, Rotary
+    from models.kv_spec import MLASpec
+
+    new = dict(dtype=dtype, device="meta")
+    heads = cfg.num_heads
+    if isinstance(spec, MLASpec):
+        rank, rope, nope = spec.kv_lora_rank, spec.qk_rope_head_dim, cfg.hf["qk_nope_head_dim"]
+        q_pe = torch.empty(tokens, heads, nope + rope, **new)[..., nope:]
+        qkv_a = torch.empty(tokens, cfg.hf["q_lora_rank"] + rank + rope, **new)
+        c_kv, k_pe = qkv_a[:, -rank - rope :].split([rank, rope], -1)
+        cos = torch.empty(tokens, rope // 2, **new)
+        rotary = LatentRotary(cos, cos, True, (torch.empty(rank, **new), 1e-6))
+        q_latent = torch.empty(tokens, heads, rank, **new)
+        ctx.latent_attention(0, q_latent, q_pe, c_kv, k_pe, 0.1, rotary)
+        return
+    d, kv_heads = spec.head_dim, spec.num_kv_heads
+    qkv = torch.empty(tokens, (heads + 2 * kv_heads) * d, **new)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
+    cos = torch.empty(tokens, d, **new)
+    gemma = cfg.architecture == "Gemma3ForCausalLM"
+    norms = (torch.empty(d, **new), torch.empty(d, **new), 1e-6, 1.0) if gemma else None
+    q, k, v = (x.view(tokens, -1, d) for x in (q, k, v))
+    ctx.attention(0, q, k, v, 0.1, Rotary(cos, cos, None, norms))
+
+
+def record_layer_launches(name: str, dtype: torch.dtype) -> Iterator[tuple[str, object]]:
+    """(what the kernel serves, launch) of the kernels of a layer around attention, as the
+    model's modules call the ``triton`` backend: the norms (each with its residual add, Gemma's
+    with the sublayer's norm first; MLA's query LoRA's), the MLP's activation."""
+    from kernels.backend import TritonBackend
+
+    cfg = model_config(name)
+    launches: list = []
+    backend = TritonBackend(run=launches.append)
+    new = dict(dtype=dtype, device="meta")
+    hidden, inter = cfg.hidden_size, cfg.hf["intermediate_size"]
+    gemma = cfg.architecture == "Gemma3ForCausalLM"
+    offset = 1.0 if gemma else 0.0
+    for tokens in (1, 64):
+        x, weight = torch.empty(tokens, hidden, **new), torch.empty(hidden, **new)
+        backend.rms_norm(x, weight, 1e-6, offset)
+        backend.add_rms_norm(x, x, weight, 1e-6, offset, weight if gemma else None)
+        yield from (("hidden", launch) for launch in launches)
+        launches.clear()
+        if cfg.get("q_lora_rank"):
+            rank = cfg.hf["q_lora_rank"]
+            backend.rms_norm(torch.empty(tokens, rank, **new), torch.empty(rank, **new), 1e-6, 0)
+            yield from (("q_lora", launch) for launch in launches)
+            launches.clear()
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        backend.act_mul(torch.empty(tokens, 2 * inter, **new), act)
+        yield from (("mlp", launch) for launch in launches)
+        launches.clear()
+
+
 def _rope_layout(spec):
     """Where the rotary part of a cached row is (``cached_key_rope`` of the models)."""
     from kernels.rotary import RopeLayout
@@ -238,13 +303,13 @@ def record_launches(
         for step in steps(cfg.max_position_embeddings):
             # As the model runner builds tables: as wide as the longest sequence needs.
             width = spec.table_width(max(step.seq_lens), BLOCK_SIZE)
-            caches, (q, k, v) = _layer_tensors(spec, cfg.num_heads, step.num_tokens, dtype)
+            caches, _ = _layer_tensors(spec, cfg.num_heads, step.num_tokens, dtype)
             for scored in (False, True) if spec.window == 0 else (False,):
                 meta = _metadata(step, width, spec.window, scored)
                 planes = torch.empty(caches[0].shape[:3], dtype=torch.float32, device="meta")
                 scores = planes if scored else None
                 ctx = ForwardContext.planned(backend, [meta], [caches], (0,), [scores])
-                ctx.attention(0, q, k, v, 0.1)
+                _attend(ctx, cfg, spec, step.num_tokens, dtype)
         for blocks in (1, 3, 17):  # a context shift re-rotates whole blocks
             ids = torch.empty(blocks, dtype=torch.int64, device="meta")
             backend.rotate_keys(caches[0], ids, -37, _rope_layout(spec))
@@ -440,7 +505,10 @@ def _recordings(target: Target) -> Iterator[tuple[str, str, str, Iterator]]:
     for model in (*MODELS, *QUANT_MODELS):
         for dtype_name, dtype in DTYPES.items():
             if model in MODELS:
-                yield model, dtype_name, kv_name(dtype), record_launches(model, dtype, target.sms)
+                launches = itertools.chain(
+                    record_launches(model, dtype, target.sms), record_layer_launches(model, dtype)
+                )
+                yield model, dtype_name, kv_name(dtype), launches
             else:
                 yield model, dtype_name, "", record_quant_launches(model, dtype)
     dtype = DTYPES[KV_MODEL_DTYPE]

@@ -29,10 +29,12 @@ Bounds:
     to the 4 bytes a cp.async copies at least; they are read straight into registers.
   - variants: one per (model, dtype, KV dtype, KV-cache group, kernel). Every step (batch
     size, context length, number of decodes, table width) launches the variant the first step
-    compiled, so a server compiles at most 5 kernels x cache groups per dtype, all of them in
-    its first steps; over a quantized cache the write kernel has two (the cache's slots, and a
-    prefill chunk's own rows quantized to be read back) and no rotary kernel (keys move in
-    torch). A group that keeps importance scores adds the two scoring kernels.
+    compiled, so a server compiles a fixed set of kernels x cache groups per dtype, all of them
+    in its first steps (``_kernels``); over a quantized cache the write kernel has two (the
+    cache's slots, and a prefill chunk's own rows quantized to be read back) and no kernel
+    re-rotates keys (they move in torch). A group that keeps importance scores adds the two
+    scoring kernels. The layer's norms and activation are rows of their own, ``group`` naming
+    what each serves (``hidden``, ``q_lora``, ``mlp``).
     A quantized matrix part compiles one variant per kernel and tile: GEMV, the matmul's
     decode-batch and prefill tiles (``triton_quant.matmul_tile``), the row dequantizer.
 """
@@ -52,10 +54,8 @@ from tests.kernels import kernel_variants
 
 ROOT = Path(__file__).resolve().parents[2]
 SCORE_KERNELS = {"_decode_scores_kernel", "_prefill_scores_kernel"}
-KERNELS = {"_decode_kernel", "_merge_kernel", "_prefill_kernel", "_write_cache_kernel",
-           "_rotate_kernel", *SCORE_KERNELS}  # fmt: skip
-KV_KERNELS = {"_decode_kernel", "_merge_kernel", "_prefill_kernel", "_write_quantized_kernel",
-              *SCORE_KERNELS}  # fmt: skip
+ATTENTION_KERNELS = {"_decode_kernel", "_merge_kernel", "_prefill_kernel", *SCORE_KERNELS}
+LAYER_KERNELS = {"_rms_norm_kernel", "_add_rms_norm_kernel", "_act_mul_kernel"}
 QUANT_KERNELS = {"_quant_gemv_kernel", "_quant_matmul_kernel", "_dequantize_rows_kernel"}
 # Variants a part or cache group may compile per kernel (else 1).
 TILES = {"_quant_matmul_kernel": 2, "_write_quantized_kernel": 2}
@@ -116,9 +116,22 @@ def rows() -> list[dict]:
 
 
 def _kernels(model: str, kv: str) -> set[str]:
+    """The kernels a model's steps launch: attention; a decode step's turn-and-write in one
+    kernel (``_latent_rows_kernel`` for MLA), a prefill step's rotary (GQA) and per-head or
+    latent norms (Gemma, MLA) before attention and the cache write, whole blocks re-rotated
+    after a context shift; the layer's norms and activation (recorded under its own dtype).
+    A quantized cache's rows are turned first and quantized as they are written, its keys
+    re-rotated by torch."""
     if model in kernel_variants.QUANT_MODELS:
         return QUANT_KERNELS
-    return KV_KERNELS if kv in kernel_variants.KV_DTYPES else KERNELS
+    mla, gemma = model in LAYOUTS["mla"], model in LAYOUTS["ring"]
+    turn = set() if mla else {"_rope_kernel"}
+    turn |= {"_rms_norm_kernel"} if mla or gemma else set()
+    if kv in kernel_variants.KV_DTYPES:
+        return ATTENTION_KERNELS | turn | {"_write_quantized_kernel"}
+    fused = {"_latent_rows_kernel"} if mla else {"_rotate_write_kernel"}
+    written = {"_write_cache_kernel", "_rotate_kernel"}
+    return ATTENTION_KERNELS | turn | fused | written | LAYER_KERNELS
 
 
 def test_every_model_dtype_and_target_launches_every_kernel(rows):
