@@ -39,6 +39,10 @@ SHAPES = {
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
         rope_theta=500000.0, tie_word_embeddings=False)),
+    "qwen2.5-1.5b": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+        num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+        rope_theta=1000000.0, tie_word_embeddings=True)),
     "gemma3-270m": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
         num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,

@@ -5,12 +5,13 @@
 
 Each model is built on the meta device in bfloat16 at its real shape (random weights: nothing
 is allocated) and runs one decode step through the serving code path: its forward over the
-``triton`` attention backend, whose launches are collected instead of run (the kernels of
-``kernels.triton_attention`` and ``kernels.triton_quant``), under a dispatch mode that counts
-every torch operator reaching the device except views and metadata (each launches at least one
-CUDA kernel there). Hooks on the decoder layers split the count into what each layer launches
-and what runs outside them (embedding, rotary tables, final norm). On an H100 torch.profiler
-counted 44 kernels per SmolLM2 layer in eager bf16 decode (../shared/gpu-h100-2026-11-26).
+``triton`` attention backend, whose launches are collected instead of run (the kernels of the
+``kernels.triton_attention`` package and ``kernels.triton_quant``), under a dispatch mode that
+counts every torch operator reaching the device except views and metadata (each launches at
+least one CUDA kernel there). Hooks on the decoder layers split the count into what each layer
+launches and what runs outside them (embedding, rotary tables, final norm). On an H100
+torch.profiler counted 44 kernels per SmolLM2 layer in eager bf16 decode
+(../shared/gpu-h100-2026-11-26).
 """
 
 from __future__ import annotations
@@ -38,13 +39,9 @@ NO_KERNEL = frozenset({
     "lift_fresh",
 })  # fmt: skip
 
-# Shapes beside bench.decode_step's: Qwen2's (biases on q, k, v) and DeepSeek-V3's (MLA).
+# Shapes beside bench.decode_step's: DeepSeek-V3's (MLA).
 MODELS = {
     **{name: (arch, fields) for name, (_, arch, fields) in SHAPES.items()},
-    "qwen2.5-1.5b": ("Qwen2ForCausalLM", dict(
-        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-        num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
-        rope_theta=1000000.0, tie_word_embeddings=True)),
     "deepseek-v3-4l": ("DeepseekV3ForCausalLM", dict(
         vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=4,
         first_k_dense_replace=4, num_attention_heads=128, num_key_value_heads=128,

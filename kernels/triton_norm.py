@@ -33,7 +33,9 @@ def _normalize(x, w, D, eps, OFFSET: tl.constexpr, DTYPE: tl.constexpr):
     return _weigh(x * _inv_rms(tl.sum(x * x, 0), D, eps), w, OFFSET, DTYPE)
 
 
-@triton.jit
+# ``heads`` varies between a layer's query and key heads (1 where a model has one KV head):
+# left unspecialized, both take one variant.
+@triton.jit(do_not_specialize=["heads"])
 def _rms_norm_kernel(
     x_ptr,
     w_ptr,
