@@ -1,9 +1,9 @@
 """A Triton kernel launch as plain data: the kernel, its grid, its arguments, its meta-parameters.
 
-The launch functions of ``triton_attention`` and ``rotary`` build these and run them. Because a
-launch is data, the exact variants the launch code asks Triton for (the constexprs, and the
-specialization Triton derives from the arguments) can also be compiled ahead of time for a
-target GPU without one, from the same code path.
+The launch functions of ``triton_attention`` (its ``launches``) and ``rotary`` build these and
+run them. Because a launch is data, the exact variants the launch code asks Triton for (the
+constexprs, and the specialization Triton derives from the arguments) can also be compiled
+ahead of time for a target GPU without one, from the same code path.
 """
 
 from __future__ import annotations

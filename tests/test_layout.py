@@ -12,7 +12,8 @@ Inside engine, two rooms: ``engine/core`` is pure Python (the standard library, 
 ``models.kv_spec``: no torch, no numpy), and ``engine/worker`` does not reach back into the
 engine's hub (only ``engine.core``, ``engine.worker``, models and kernels). The C++ CPU kernels
 (``kernels/csrc``) are a library: x86 intrinsics are named only in its vector headers, no file
-runs over 400 lines and no function over 80.
+runs over 400 lines and no function over 80. The Triton attention kernels are a package split
+by job (``kernels/triton_attention``): none of its files runs over 400 lines either.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ VECTOR_HEADERS = ("vec.h", "qdot.h")
 MAX_CPP_FILE_LINES = 400
 ONLY = " and ".join(VECTOR_HEADERS)
 INTRINSIC = re.compile(r"\b_mm(?:256|512)?_\w+|\b__m(?:128|256|512)[a-z]*\b|<[a-z]*intrin\.h>")
+# The Triton paged-attention kernels, a package split by job.
+TRITON_ATTENTION = "kernels/triton_attention"
+MAX_TRITON_ATTENTION_FILE_LINES = 400
 
 
 @dataclass(frozen=True)
@@ -345,6 +349,18 @@ def cpp_library_problems(root: Path) -> list[str]:
     return problems
 
 
+def triton_attention_problems(root: Path) -> list[str]:
+    """Files of the Triton attention package over 400 lines."""
+    problems: list[str] = []
+    for path in python_files(root, [TRITON_ATTENTION]):
+        text = path.read_text(encoding="utf-8")
+        lines = text.count("\n") + (not text.endswith("\n"))
+        if lines > MAX_TRITON_ATTENTION_FILE_LINES:
+            limit = MAX_TRITON_ATTENTION_FILE_LINES
+            problems.append(f"{relative(root, path)}: {lines} lines (at most {limit})")
+    return problems
+
+
 def missing_core_packages(root: Path) -> list[str]:
     """Core packages that are absent or hold no Python file (so the checks would be vacuous)."""
     return [package for package in CORE_PACKAGES if not python_files(root, [package])]
@@ -388,6 +404,13 @@ def test_cpu_kernels_are_a_library_of_small_files(root: Path) -> None:
     assert {p.name for p in files} >= set(VECTOR_HEADERS), f"no {VECTOR_HEADERS} under {CSRC}"
     problems = cpp_library_problems(root)
     assert not problems, "C++ kernel library:\n" + "\n".join(problems)
+
+
+def test_triton_attention_is_a_package_of_small_files(root: Path) -> None:
+    init = root / TRITON_ATTENTION / "__init__.py"
+    assert init in python_files(root, [TRITON_ATTENTION]), f"no package {TRITON_ATTENTION}"
+    problems = triton_attention_problems(root)
+    assert not problems, "Triton attention package:\n" + "\n".join(problems)
 
 
 # --- The checker checked on small fake trees, so the tests above cannot pass vacuously. ---
@@ -533,4 +556,19 @@ def test_the_checker_sees_impure_core_imports_and_a_poor_cpp_library(tmp_path: P
         "kernels/csrc/cpu/ops.cpp:91 names __m256 (only vec.h and qdot.h may)",
         "kernels/csrc/cpu/ops.cpp:91 names _mm256_setzero_ps (only vec.h and qdot.h may)",
         "kernels/csrc/cpu/ops.cpp:8 a function of 85 lines",
+    ]
+
+
+def test_the_checker_sees_a_long_file_of_the_triton_attention_package(tmp_path: Path) -> None:
+    write_tree(
+        tmp_path,
+        {
+            "pyproject.toml": "",
+            "kernels/triton_attention/__init__.py": "x = 1\n" * 400,
+            "kernels/triton_attention/big.py": "x = 1\n" * 401,
+            "kernels/triton_rope.py": "x = 1\n" * 401,
+        },
+    )
+    assert triton_attention_problems(tmp_path) == [
+        "kernels/triton_attention/big.py: 401 lines (at most 400)"
     ]
