@@ -22,6 +22,7 @@ from engine.core.context_overflow import (
 )
 from engine.core.preemption import PREEMPTION_MODES
 from engine.core.speculation import SPECULATIVE_METHODS, SpeculativeConfig
+from engine.kv_events import KVEventsConfig
 from engine.worker.config import RunnerConfig, resolve_device
 from kernels.backend import backend_names, default_backend
 from kernels.weights import QUANTIZABLE
@@ -115,6 +116,13 @@ class EngineArgs:
     enable_prefix_caching: bool = setting(
         True,
         "keep and share the KV blocks of identical prompt prefixes (hashed full blocks)",
+    )
+    kv_events_config: str | None = setting(
+        None,
+        "publish prefix-cache events for a cluster router, as vLLM's flag: a JSON object with "
+        "vLLM's keys (enable_kv_cache_events, endpoint tcp://*:5557, replay_endpoint, topic, "
+        "buffer_steps, hwm, max_queue_size) and encoding (map, or array for older routers)",
+        when_none="off",
     )
     enforce_eager: bool = setting(
         False, "run every step eagerly: no CUDA graphs for decode steps (CUDA only)"
@@ -239,8 +247,16 @@ class EngineArgs:
         for ok, name in checks:
             if not ok:
                 raise ValueError(f"invalid {name}: {getattr(self, name, None)!r}")
+        self.kv_events()  # a malformed --kv-events-config is refused at start-up
         self.default_overflow()  # the one check of the three context settings
         self.speculative_config()  # and of the speculative ones
+
+    def kv_events(self) -> KVEventsConfig | None:
+        """The KV events to publish, or None."""
+        if self.kv_events_config is None:
+            return None
+        config = KVEventsConfig.parse(self.kv_events_config)
+        return config if config.enabled else None
 
     def speculative_config(self) -> SpeculativeConfig | None:
         """Speculative decoding's settings, None when it is off."""

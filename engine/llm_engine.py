@@ -21,6 +21,7 @@ from engine.core.context_overflow import (
     context_policy,
 )
 from engine.core.errors import QueueFullError, RequestError
+from engine.core.kv_events import EventLog
 from engine.core.kv_manager import KVCacheManager
 from engine.core.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.core.preemption import Admission
@@ -28,6 +29,7 @@ from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_events import ZmqPublisher
 from engine.metrics import EngineMetrics
 from engine.worker.drafter import Drafter
 from engine.worker.memory import MemoryProfile
@@ -101,7 +103,11 @@ class LLMEngine:
                      time.perf_counter() - start)  # fmt: skip
         else:
             log.info("decode steps run eagerly: %s", eager)
-        self.kv = KVCacheManager(self.cache_config)
+        events = args.kv_events()
+        self.kv_events = EventLog(self.cache_config.block_size) if events else None
+        self.kv = KVCacheManager(self.cache_config, self.kv_events)
+        # Opened last but for the scheduler: a start-up that fails leaves no socket bound.
+        self.publisher = ZmqPublisher(events) if events else None
         sched_config = SchedulerConfig(
             args.max_num_seqs,
             args.max_num_batched_tokens,
@@ -427,6 +433,12 @@ class LLMEngine:
     def _record_step(self) -> None:
         self.record_gauges()
         self.metrics.events(self.scheduler.drain_events())
+        self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        """What the prefix cache did since the last call, to the KV events' subscribers."""
+        if self.publisher is not None:
+            self.publisher.publish(self.kv_events.take())
 
     def _finished(self, req: Request) -> None:
         now = time.monotonic()
@@ -500,12 +512,16 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block; returns how many were cached."""
-        return self.kv.reset_prefix_cache()
+        n = self.kv.reset_prefix_cache()
+        self._publish_kv_events()
+        return n
 
     def shutdown(self) -> None:
-        """Stops the tensor-parallel ranks, if any."""
+        """Stops the tensor-parallel ranks, if any, and the KV events' publisher."""
         if self.workers is not None:
             self.workers.stop()
+        if self.publisher is not None:
+            self.publisher.close()
 
 
 def _describe(stage: str, error: BaseException) -> str:

@@ -102,7 +102,26 @@ class EngineMetrics:
         self.cache_config = Info(
             "kvserve:cache_config", "KV-cache layout and capacity.", registry=r
         )
+        self._router_metrics(r)
+        self._blocks: list[int] = []  # blocks per group's pool, once described
         self._export_known_labels()
+
+    def _router_metrics(self, r: CollectorRegistry) -> None:
+        """vLLM's names for what a cluster router's endpoint picker scrapes by default (the
+        Gateway API inference extension's vllm mapping): one series each, and the cache's
+        block size and block count as integers, where kvserve's own metrics are per group."""
+        self.vllm_running = Gauge("vllm:num_requests_running", "Requests running.", registry=r)
+        self.vllm_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting.", registry=r)
+        self.vllm_usage = Gauge(
+            "vllm:kv_cache_usage_perc",
+            "Fraction of all KV blocks in use (0 to 1), every group's pool together.",
+            registry=r,
+        )
+        self.vllm_cache_config = Info(
+            "vllm:cache_config",
+            "block_size and num_gpu_blocks (of the full-attention pool) as integers.",
+            registry=r,
+        )
 
     def _policy_counters(self, counter) -> None:
         self.preemptions = counter(
@@ -188,6 +207,14 @@ class EngineMetrics:
                 **{k: str(v) for k, v in settings.items()},
             }
         )
+        # A whole context's blocks come from the full-attention pools (a window's ring holds
+        # a bounded part): the smallest of those bounds how many tokens the cache keeps.
+        full = [g for g in groups if "window" not in g.kind] or groups
+        blocks = min(g.num_blocks for g in full)
+        self.vllm_cache_config.info(
+            {"block_size": str(cache.block_size), "num_gpu_blocks": str(blocks)}
+        )
+        self._blocks = [g.num_blocks for g in groups]
 
     def gauges(self, running: int, waiting: int, swapped: int, usage: list[float]) -> None:
         self.running.set(running)
@@ -195,6 +222,11 @@ class EngineMetrics:
         self.swapped.set(swapped)
         for gi, u in enumerate(usage):
             self.kv_usage.labels(str(gi)).set(u)
+        self.vllm_running.set(running)
+        self.vllm_waiting.set(waiting)
+        blocks = self._blocks or [1] * len(usage)  # weights before describe_cache: equal
+        if usage:
+            self.vllm_usage.set(sum(u * n for u, n in zip(usage, blocks)) / sum(blocks))
 
     def refused(self, reason: str, policy: str | None = None) -> None:
         """A request refused before any work (on the thread that refused it), by ``policy``

@@ -6,7 +6,8 @@ findable until they are handed out again, least recently freed first. A lookup i
 never trusted from the key alone: the block must hold the same token ids and follow the same
 parent block (identified with a generation count that changes whenever a block's contents stop
 being the registered ones), so a key collision cannot serve another prefix's keys and values.
-Pure Python.
+Given an ``events`` log (``kv_events.EventLog``), the pool records what a cluster router must
+know: each block registered, each registered block given up, each reset. Pure Python.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+
+from engine.core.kv_events import EventLog
 
 Parent = tuple[int, int] | None  # (block id, generation) of the block before, None for the first
 
@@ -36,6 +39,8 @@ class BlockPool:
         self.generation = [0] * num_blocks
         self.cached: dict[bytes, int] = {}  # key -> block
         self.entry: list[tuple[bytes, Parent, tuple[int, ...]] | None] = [None] * num_blocks
+        self.events: EventLog | None = None  # set by the KV manager when events are published
+        self.group = 0  # the KV-cache group, as events name it
 
     @property
     def num_free(self) -> int:
@@ -85,12 +90,22 @@ class BlockPool:
     def ident(self, block: int) -> Parent:
         return block, self.generation[block]
 
-    def register(self, block: int, key: bytes, parent: Parent, token_ids: tuple[int, ...]) -> None:
-        """Make a held, full block findable under ``key`` (no-op if the key is taken)."""
+    def register(
+        self,
+        block: int,
+        key: bytes,
+        parent: Parent,
+        token_ids: tuple[int, ...],
+        parent_key: bytes | None = None,
+    ) -> None:
+        """Make a held, full block findable under ``key`` (no-op if the key is taken);
+        ``parent_key`` is the key ``key`` chains from, for the events."""
         if key in self.cached or self.entry[block] is not None:
             return
         self.cached[key] = block
         self.entry[block] = (key, parent, token_ids)
+        if self.events is not None:
+            self.events.stored(key, parent_key, token_ids, self.group)
 
     def lookup(self, key: bytes, parent: Parent, token_ids: tuple[int, ...]) -> int | None:
         """The cached block for ``key`` if it holds ``token_ids`` after ``parent``."""
@@ -112,12 +127,18 @@ class BlockPool:
             del self.cached[entry[0]]
             self.entry[block] = None
             self.generation[block] += 1
+            if self.events is not None:
+                self.events.removed(entry[0], self.group)
 
     def reset_cache(self) -> int:
-        """Forget every cache entry; returns how many there were."""
-        n = len(self.cached)
+        """Forget every cache entry (one ``AllBlocksCleared`` event, not one per block);
+        returns how many there were."""
+        n, events, self.events = len(self.cached), self.events, None
         for block in list(self.cached.values()):
             self.uncache(block)
+        self.events = events
+        if events is not None:
+            events.cleared()
         return n
 
     def check_integrity(self) -> None:

@@ -29,6 +29,7 @@ from collections.abc import Iterator
 
 from engine.core.block_pool import BlockPool, block_hash
 from engine.core.config import CacheConfig
+from engine.core.kv_events import EventLog
 from engine.core.kv_tables import BlockPair, TableManager, check_owners, table_manager
 
 BlockTables = list[list[int]]  # one table per group
@@ -37,7 +38,8 @@ PrefixHit = tuple[int, list[list[int | None]]]  # (blocks, per group the cached 
 
 
 class KVCacheManager:
-    def __init__(self, config: CacheConfig):
+    def __init__(self, config: CacheConfig, events: EventLog | None = None):
+        """``events``: where the device pools record their prefix-cache events (KV events)."""
         self.config = config
         self.groups = config.groups
         self.managers: list[TableManager] = [
@@ -45,6 +47,8 @@ class KVCacheManager:
             for g, n in zip(config.groups, config.num_blocks)
         ]
         self.pools = [m.pool for m in self.managers]
+        for g, pool in enumerate(self.pools):
+            pool.events, pool.group = events, g
         self.host_pools = [BlockPool(n) for n in config.num_host_blocks]
 
     @property

@@ -126,7 +126,7 @@ class TableManager:
             e, parent, tokens = self._entry(j), self._parent(table, j), self._tokens(token_ids, j)
             found = pool.lookup(keys[j], parent, tokens)
             if found is None:
-                pool.register(table[e], keys[j], parent, tokens)
+                pool.register(table[e], keys[j], parent, tokens, keys[j - 1] if j else None)
             elif found != table[e] and pool.private(table[e]):
                 pool.take(found)
                 pool.free([table[e]])
