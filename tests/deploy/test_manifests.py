@@ -27,8 +27,11 @@ def documents() -> list[dict]:
     return docs
 
 
-def by_kind(kind: str) -> dict:
-    (doc,) = [d for d in documents() if d["kind"] == kind]
+def by_kind(kind: str, name: str | None = None) -> dict:
+    (doc,) = [
+        d for d in documents()
+        if d["kind"] == kind and name in (None, d["metadata"]["name"])
+    ]  # fmt: skip
     return doc
 
 
@@ -59,7 +62,10 @@ PROBES = {"startupProbe": "/health", "livenessProbe": "/health", "readinessProbe
 
 def test_the_deployment_drains_within_its_grace_period_and_probes_liveness_and_readiness():
     spec = by_kind("Deployment")["spec"]["template"]["spec"]
-    drain = int(re.search(r"--shutdown-timeout (\d+)", (DEPLOY / "Dockerfile").read_text())[1])
+    # The pod runs the image's command with KV events added: the same drain in both.
+    command = " ".join(container()["command"])
+    drain = int(re.search(r"--shutdown-timeout (\d+)", command)[1])
+    assert f"--shutdown-timeout {drain}" in (DEPLOY / "Dockerfile").read_text()
     pre_stop = container()["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert pre_stop + drain < spec["terminationGracePeriodSeconds"]
     ports = {p["name"] for p in container()["ports"]}
@@ -81,8 +87,8 @@ def test_service_monitor_and_pool_point_at_the_pods():
     assert [e["port"] for e in monitor["podMetricsEndpoints"]] == ["http"]
     assert monitor["podMetricsEndpoints"][0]["path"] == "/metrics"
     pool = by_kind("InferencePool")["spec"]
-    assert pool["selector"].items() <= labels.items()
-    assert pool["targetPortNumber"] in ports.values()
+    assert pool["selector"]["matchLabels"].items() <= labels.items()
+    assert [p["number"] for p in pool["targetPorts"]] == [ports["http"]]
     assert (
         by_kind("PodDisruptionBudget")["spec"]["selector"]["matchLabels"].items() <= labels.items()
     )
@@ -97,14 +103,36 @@ def test_the_autoscaler_reads_a_metric_the_adapter_makes_from_one_we_export():
     hpa = by_kind("HorizontalPodAutoscaler")["spec"]
     assert hpa["scaleTargetRef"]["name"] == by_kind("Deployment")["metadata"]["name"]
     (metric,) = hpa["metrics"]
-    adapter = yaml.safe_load(by_kind("ConfigMap")["data"]["config.yaml"])
+    adapter = yaml.safe_load(by_kind("ConfigMap", "prometheus-adapter-kvserve")["data"]["config.yaml"])
     (rule,) = adapter["rules"]
     assert metric["pods"]["metric"]["name"] == rule["name"]["as"]
     source = re.match(r"'?([a-z_:]+)\{", rule["seriesQuery"])[1]
     assert source in exported()
+
+
+def test_the_endpoint_picker_finds_its_metrics_and_each_pods_kv_events():
+    """The picker's default (vLLM) metric names are exported; its KV-events scorer selects the
+    pods by a label they carry, on the port they publish on, at kvserve's block size, and the
+    topic each pod publishes under is llm-d's kv@<pod IP>@<model>."""
     inference_pool = (DEPLOY / "k8s" / "inference-pool.yaml").read_text()
-    flags = re.findall(r"--[a-z-]+-metric=(kvserve:[a-z_:]+)", inference_pool)
-    assert len(flags) == 3 and set(flags) <= exported()
+    names = set(re.findall(r"(vllm:[a-z_]+)", inference_pool))
+    assert names == {"vllm:num_requests_waiting", "vllm:num_requests_running",
+                     "vllm:kv_cache_usage_perc", "vllm:cache_config_info"}  # fmt: skip
+    assert names - {"vllm:cache_config_info"} <= exported()
+    assert "vllm:cache_config_info" in exported() or "vllm:cache_config" in exported()
+    config = yaml.safe_load(by_kind("ConfigMap", "kvserve-epp-config")["data"]["epp-config.yaml"])
+    (scorer,) = [p for p in config["plugins"] if p["type"] == "precise-prefix-cache-scorer"]
+    events = scorer["parameters"]["kvEventsConfig"]
+    key, value = events["podDiscoveryConfig"]["podLabelSelector"].split("=")
+    assert pod_labels()[key] == value
+    ports = {p["name"]: p["containerPort"] for p in container()["ports"]}
+    assert events["podDiscoveryConfig"]["socketPort"] == ports["kv-events"] == 5557
+    assert scorer["parameters"]["indexerConfig"]["tokenProcessorConfig"]["blockSizeTokens"] == 16
+    command = " ".join(container()["command"])
+    assert '\\"topic\\": \\"kv@$POD_IP@$MODEL\\"' in command
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in (
+        container()["env"]
+    )
 
 
 def test_the_compose_stack_wires_its_parts_together():
