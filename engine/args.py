@@ -117,6 +117,13 @@ class EngineArgs:
         True,
         "keep and share the KV blocks of identical prompt prefixes (hashed full blocks)",
     )
+    kv_host_cache_gib: float = setting(
+        0.0,
+        "host memory for prefix blocks the device pool evicts (written down, found and copied "
+        "back up by later requests; the swap pool shares it); 0: off",
+        flag="--kv-host-cache-gib",
+        metavar="GIB",
+    )
     kv_events_config: str | None = setting(
         None,
         "publish prefix-cache events for a cluster router, as vLLM's flag: a JSON object with "
@@ -240,6 +247,7 @@ class EngineArgs:
             (self.attention_backend in (None, *backend_names()), "attention_backend"),
             (self.preemption_mode in PREEMPTION_MODES, "preemption_mode"),
             (self.swap_space_gib >= 0, "swap_space_gib"),
+            (self.kv_host_cache_gib >= 0, "kv_host_cache_gib"),
             (self.max_overflow_tokens > 0, "max_overflow_tokens"),
             (self.max_queue_len is None or self.max_queue_len > 0, "max_queue_len"),
             (self.max_queued_tokens is None or self.max_queued_tokens > 0, "max_queued_tokens"),

@@ -186,10 +186,19 @@ class LLMEngine:
             blocks = split_memory(groups, memory, args.block_size, max_len)
         else:
             blocks = (args.num_kv_blocks,) * len(groups)
-        host = ()
+        host_bytes = args.kv_host_cache_gib * GIB
         if args.preemption_mode == "swap":
-            host = split_memory(groups, int(args.swap_space_gib * GIB), args.block_size, max_len)
-        return CacheConfig(groups, args.block_size, blocks, host, args.enable_prefix_caching)
+            host_bytes += args.swap_space_gib * GIB
+        tier = args.kv_host_cache_gib > 0
+        if tier and not args.enable_prefix_caching:
+            raise ValueError("--kv-host-cache-gib keeps prefix blocks: it needs prefix caching")
+        if tier and any(g.spec.window for g in groups):
+            raise ValueError(
+                "--kv-host-cache-gib: models with sliding-window layers (Gemma 3) are not "
+                "supported yet"
+            )
+        host = split_memory(groups, int(host_bytes), args.block_size, max_len) if host_bytes else ()
+        return CacheConfig(groups, args.block_size, blocks, host, args.enable_prefix_caching, tier)
 
     def _kv_memory_bytes(self) -> int:
         if self.args.kv_cache_memory_gib is not None:
@@ -429,6 +438,11 @@ class LLMEngine:
         self.metrics.gauges(
             len(sched.running), len(sched.waiting), len(sched.swapped), self.kv.usage()
         )
+        if self.kv.host_tier:
+            kv = self.kv
+            self.metrics.host_tier(
+                kv.num_cached_host_blocks, kv.num_total_host_blocks, kv.take_tier_counts()
+            )
 
     def _record_step(self) -> None:
         self.record_gauges()

@@ -93,7 +93,24 @@ class EngineMetrics:
             "Tokens looked up in the prefix cache, at each admission (preempted ones again).",
         )
         self.prefix_hits = counter(
-            "prefix_cache_hits", "Of the tokens looked up, those found in the prefix cache."
+            "prefix_cache_hits",
+            "Of the tokens looked up, those found in the prefix cache (any tier).",
+        )
+        self.host_hits = counter(
+            "prefix_cache_host_hits",
+            "Of the prefix cache's hits, the tokens found in the host tier and copied back up.",
+        )
+        self.tier_blocks = counter(
+            "kv_host_tier_blocks",
+            "Blocks the host tier wrote down (stored), copied back up (loaded), or could not "
+            "take (dropped: every host block held).",
+            ("direction",),
+        )
+        self.host_cached = gauge(
+            "kv_host_cache_blocks", "Prefix blocks the host tier holds, every group together."
+        )
+        self.host_capacity = gauge(
+            "kv_host_capacity_blocks", "Blocks of the host pools (the swap pool shares them)."
         )
         self.rejected = counter(
             "requests_rejected", "Requests refused before any work, by reason.", ("reason",)
@@ -228,6 +245,13 @@ class EngineMetrics:
         if usage:
             self.vllm_usage.set(sum(u * n for u, n in zip(usage, blocks)) / sum(blocks))
 
+    def host_tier(self, cached: int, capacity: int, moved: dict[str, int]) -> None:
+        """The host tier's blocks now, and what it moved since the last call."""
+        self.host_cached.set(cached)
+        self.host_capacity.set(capacity)
+        for direction, n in moved.items():
+            self.tier_blocks.labels(direction).inc(n)
+
     def refused(self, reason: str, policy: str | None = None) -> None:
         """A request refused before any work (on the thread that refused it), by ``policy``
         when its context policy did: such a request never reaches the scheduler, which counts
@@ -250,6 +274,7 @@ class EngineMetrics:
             self.kv_evicted_tokens.labels(policy).inc(n)
         self.prefix_queries.inc(events.prefix_queries)
         self.prefix_hits.inc(events.prefix_hits)
+        self.host_hits.inc(events.host_hits)
         if self.spec_method is not None:
             method = self.spec_method
             self.spec_draft_tokens.labels(method).inc(events.drafted)

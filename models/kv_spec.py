@@ -39,9 +39,12 @@ INT4_GROUP = 32
 
 def row_bytes(dtype: str, dim: int) -> int:
     """Bytes of one head's row of ``dim`` values in a cache of ``dtype`` (a ``KV_DTYPES``)."""
+    if dtype in QUANTIZED_KV and dim % INT4_GROUP:
+        raise ValueError(
+            f"--kv-cache-dtype {dtype} needs head sizes that are multiples of 32 (rows are "
+            f"stored rotated in blocks of 32 or 64 values), not {dim}"
+        )
     if dtype == "int4":
-        if dim % INT4_GROUP:
-            raise ValueError(f"an int4 KV cache needs head sizes that are multiples of 32: {dim}")
         return dim // INT4_GROUP * (2 + INT4_GROUP // 2)
     if dtype in QUANTIZED_KV:
         return dim + 4

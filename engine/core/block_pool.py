@@ -15,8 +15,9 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 
-from engine.core.kv_events import EventLog
+from engine.core.kv_events import DEVICE, EventLog
 
 Parent = tuple[int, int] | None  # (block id, generation) of the block before, None for the first
 
@@ -41,6 +42,10 @@ class BlockPool:
         self.entry: list[tuple[bytes, Parent, tuple[int, ...]] | None] = [None] * num_blocks
         self.events: EventLog | None = None  # set by the KV manager when events are published
         self.group = 0  # the KV-cache group, as events name it
+        self.medium = DEVICE  # the tier, as events name it
+        # Called with (block, its cache entry) before a cached block is handed out again (the
+        # KV manager writes it down to a lower tier).
+        self.on_evict: Callable[[int, tuple[bytes, Parent, tuple[int, ...]]], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -60,6 +65,8 @@ class BlockPool:
         blocks = []
         for _ in range(n):
             b, _ = self.free_blocks.popitem(last=False)
+            if self.on_evict is not None and self.entry[b] is not None:
+                self.on_evict(b, self.entry[b])
             self.uncache(b)
             self.ref_counts[b] = 1
             blocks.append(b)
@@ -105,7 +112,7 @@ class BlockPool:
         self.cached[key] = block
         self.entry[block] = (key, parent, token_ids)
         if self.events is not None:
-            self.events.stored(key, parent_key, token_ids, self.group)
+            self.events.stored(key, parent_key, token_ids, self.group, self.medium)
 
     def lookup(self, key: bytes, parent: Parent, token_ids: tuple[int, ...]) -> int | None:
         """The cached block for ``key`` if it holds ``token_ids`` after ``parent``."""
@@ -128,7 +135,7 @@ class BlockPool:
             self.entry[block] = None
             self.generation[block] += 1
             if self.events is not None:
-                self.events.removed(entry[0], self.group)
+                self.events.removed(entry[0], self.group, self.medium)
 
     def reset_cache(self) -> int:
         """Forget every cache entry (one ``AllBlocksCleared`` event, not one per block);

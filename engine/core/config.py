@@ -23,13 +23,16 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     """The model's KV-cache groups, the block size, and one pool size per group (device, and
-    host for swapping: empty when there is no swap pool)."""
+    host for swapping and the host tier: empty when there is no host pool)."""
 
     groups: tuple[KVCacheGroup, ...]
     block_size: int
     num_blocks: tuple[int, ...]
     num_host_blocks: tuple[int, ...] = ()
     prefix_caching: bool = False  # share and keep full blocks of identical prefixes
+    # Prefix blocks the device pools evict are written down to the host pools (which swap
+    # shares), and found there again (``kv_manager``).
+    host_tier: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(self.groups))
@@ -37,6 +40,8 @@ class CacheConfig:
             raise ValueError("one pool size per KV-cache group")
         if self.num_host_blocks and len(self.num_host_blocks) != len(self.groups):
             raise ValueError("one swap pool size per KV-cache group")
+        if self.host_tier and not (self.prefix_caching and self.num_host_blocks):
+            raise ValueError("a host tier needs prefix caching and host blocks")
 
     def bytes_per_block(self, group: KVCacheGroup) -> int:
         return group.bytes_per_token * self.block_size

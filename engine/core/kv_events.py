@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DEVICE = "GPU"
+HOST = "CPU"
 
 
 def external_hash(key: bytes) -> int:
@@ -59,24 +60,28 @@ class EventLog:
     block_size: int
     events: list[KVEvent] = field(default_factory=list)
 
-    def stored(self, key: bytes, parent_key: bytes | None, token_ids, group: int) -> None:
+    def stored(
+        self, key: bytes, parent_key: bytes | None, token_ids, group: int, medium: str = DEVICE
+    ) -> None:
+        """A block registered in a tier's pool. A lower tier's block was announced on the
+        device first: it carries no tokens (a router maps it by its hash)."""
         block = external_hash(key)
         parent = None if parent_key is None else external_hash(parent_key)
+        tokens = list(token_ids) if medium == DEVICE else []
         last = self.events[-1] if self.events else None
-        if (isinstance(last, BlockStored) and last.group_idx == group and parent is not None
-                and last.block_hashes[-1] == parent):  # fmt: skip
+        if (isinstance(last, BlockStored) and (last.group_idx, last.medium) == (group, medium)
+                and parent is not None and last.block_hashes[-1] == parent):  # fmt: skip
             last.block_hashes.append(block)
-            last.token_ids.extend(token_ids)
+            last.token_ids.extend(tokens)
             return
-        self.events.append(BlockStored([block], parent, list(token_ids), self.block_size,
-                                       group_idx=group))  # fmt: skip
+        self.events.append(BlockStored([block], parent, tokens, self.block_size, medium, group))
 
-    def removed(self, key: bytes, group: int) -> None:
+    def removed(self, key: bytes, group: int, medium: str = DEVICE) -> None:
         last = self.events[-1] if self.events else None
-        if isinstance(last, BlockRemoved) and last.group_idx == group:
+        if isinstance(last, BlockRemoved) and (last.group_idx, last.medium) == (group, medium):
             last.block_hashes.append(external_hash(key))
             return
-        self.events.append(BlockRemoved([external_hash(key)], group_idx=group))
+        self.events.append(BlockRemoved([external_hash(key)], medium, group))
 
     def cleared(self) -> None:
         if not self.events or not isinstance(self.events[-1], AllBlocksCleared):

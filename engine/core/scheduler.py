@@ -99,6 +99,10 @@ class SchedulerOutput:
     # or in, never both, so a host block freed by a swap-in is not yet reused. Evictions come
     # first, in the order they were decided: the blocks they give up, which they still read,
     # are written only by the moves after them and by the forward pass.
+    # Before them, the host tier's copies (``kv_manager``): evicted prefix blocks written down
+    # (their device blocks may be refilled by any move after), then hits copied up.
+    spills: BlockPairs = field(default_factory=list)  # per group: (device, host)
+    loads: BlockPairs = field(default_factory=list)  # per group: (host, device)
     evictions: list[CacheEviction] = field(default_factory=list)
     shifts: list[CacheShift] = field(default_factory=list)
     # Ring blocks a prefill chunk still reads but must not write over: copied to fresh ones.
@@ -114,6 +118,8 @@ class SchedulerOutput:
     def has_cache_ops(self) -> bool:
         return (
             bool(self.evictions or self.shifts)
+            or any(self.spills)
+            or any(self.loads)
             or any(self.copies)
             or any(self.swap_out)
             or any(self.swap_in)
@@ -128,7 +134,8 @@ class SchedulerEvents:
     context_overflows: Counter = field(default_factory=Counter)  # by policy
     swapped_blocks: Counter = field(default_factory=Counter)  # by direction
     prefix_queries: int = 0  # tokens looked up in the prefix cache at admission
-    prefix_hits: int = 0  # of which found
+    prefix_hits: int = 0  # of which found (in any tier)
+    host_hits: int = 0  # of which found in the host tier
     evictions: Counter = field(default_factory=Counter)  # by policy
     evicted_tokens: Counter = field(default_factory=Counter)  # by policy
     drafted: int = 0  # speculative tokens verified
@@ -146,6 +153,7 @@ class _Step:
         self.swap_out: BlockPairs = [[] for _ in range(num_groups)]
         self.swap_in: BlockPairs = [[] for _ in range(num_groups)]
         self.copies: BlockPairs = [[] for _ in range(num_groups)]
+        self.loads: BlockPairs = [[] for _ in range(num_groups)]
 
     def allocated(self, copies: BlockPairs) -> None:
         for pairs, new in zip(self.copies, copies):
@@ -244,6 +252,7 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self.kv.end_step()  # the last step's copies have run
         step = _Step(self.config.max_num_batched_tokens, len(self.kv.groups))
         i = 0
         while i < len(self.running) and step.budget > 0:
@@ -275,6 +284,8 @@ class Scheduler:
             # A recomputed or finished sequence's blocks are no longer its own to rotate.
             evictions=[e for e in self._evictions if self._status(e.request_id) in live],
             shifts=[s for s in self._shifts if self._status(s.request_id) in live],
+            spills=self.kv.take_spills(),
+            loads=step.loads,
             copies=step.copies,
             swap_out=step.swap_out,
             swap_in=step.swap_in,
@@ -325,7 +336,7 @@ class Scheduler:
             self.events.swapped_blocks["in"] += sum(len(c) for c in copies)
             self.swapped.remove(req)
         else:
-            hit = self._take_prefix(req)
+            hit = self._take_prefix(req, step)
             n = min(self._chunk(req, step.budget), req.num_tokens - hit)
             if not self.kv.can_allocate(req.block_tables, hit + n, hit):
                 self.kv.free(req.block_tables)
@@ -353,19 +364,27 @@ class Scheduler:
         n = min(req.num_tokens - req.num_computed_tokens, budget)
         return min(n, max(1, self.config.max_model_len - 1 - req.num_cached_slots))
 
-    def _take_prefix(self, req: Request) -> int:
+    def _take_prefix(self, req: Request, step: _Step) -> int:
         """Start a waiting request's tables with its longest cached prefix (at least one token
-        is left to compute: its logits are needed); returns the prefix's tokens. A request
-        asking for prompt logprobs computes its whole prompt: a cached prefix has no logits.
-        Nor does a request whose policy scores its keys: a shared block's scores would be every
-        sharer's."""
+        is left to compute: its logits are needed), from the device pool and then the host
+        tier; returns the prefix's tokens. A request asking for prompt logprobs computes its
+        whole prompt: a cached prefix has no logits. Nor does a request whose policy scores its
+        keys: a shared block's scores would be every sharer's."""
         if not self.kv.prefix_caching or req.params.prompt_logprobs is not None:
             return 0
         if self._scores_keys(req):
             return 0
         keys = self.kv.block_keys(req.token_ids, req.block_keys)
         found = self.kv.find_prefix(req.token_ids, keys, req.num_tokens - 1)
-        return self.kv.take_prefix(req.block_tables, found)
+        hit = self.kv.take_prefix(req.block_tables, found)
+        if hit or not found[0]:  # a device hit that could not be taken is not continued
+            limit = (req.num_tokens - 1) // self.kv.block_size
+            loaded, copies = self.kv.load_prefix(req.block_tables, req.token_ids, keys, limit)
+            for pairs, group_copies in zip(step.loads, copies):
+                pairs.extend(group_copies)
+            hit += loaded * self.kv.block_size
+            self.events.host_hits += loaded * self.kv.block_size
+        return hit
 
     def _speculate(self, step: _Step) -> None:
         """Draft slots for the decoding requests that speculate, as many as the measured

@@ -208,16 +208,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def apply_cache_ops(self, out: SchedulerOutput, draft: bool = False) -> None:
-        """Evictions, shifts (copy-on-write copies first), ring copies, then swap-outs, then
-        swap-ins: before any of the step's cache writes (``draft``: a draft model's cache)."""
+        """The host tier's spills and loads (the target's cache only: a draft model computes a
+        cached prefix again), evictions, shifts (copy-on-write copies first), ring copies,
+        then swap-outs, then swap-ins: before any of the step's cache writes (``draft``: a
+        draft model's cache)."""
+        device = (self.kv_caches, self.scores)
+        host = (self.host_caches, self.host_scores)
+        if not draft:
+            for ops, src, dst in ((out.spills, device, host), (out.loads, host, device)):
+                for group, pairs in zip(self.groups, ops):
+                    copy_blocks(self.backend, group, pairs, src, dst)
         for eviction in out.evictions:
             evict(eviction, self.groups, self.kv_caches, self.scores, draft)
-        device = (self.kv_caches, self.scores)
         for shift in out.shifts:
             for group, pairs in zip(self.groups, shift.copies):
                 copy_blocks(self.backend, group, pairs, device, device)
             rotate_shifted_keys(self.backend, self.kv_caches, self.groups, self.key_rope, shift)
-        host = (self.host_caches, self.host_scores)
         for ops, src, dst in (
             (out.copies, device, device), (out.swap_out, device, host), (out.swap_in, host, device)
         ):  # fmt: skip

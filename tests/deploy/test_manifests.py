@@ -103,7 +103,9 @@ def test_the_autoscaler_reads_a_metric_the_adapter_makes_from_one_we_export():
     hpa = by_kind("HorizontalPodAutoscaler")["spec"]
     assert hpa["scaleTargetRef"]["name"] == by_kind("Deployment")["metadata"]["name"]
     (metric,) = hpa["metrics"]
-    adapter = yaml.safe_load(by_kind("ConfigMap", "prometheus-adapter-kvserve")["data"]["config.yaml"])
+    adapter = yaml.safe_load(
+        by_kind("ConfigMap", "prometheus-adapter-kvserve")["data"]["config.yaml"]
+    )
     (rule,) = adapter["rules"]
     assert metric["pods"]["metric"]["name"] == rule["name"]["as"]
     source = re.match(r"'?([a-z_:]+)\{", rule["seriesQuery"])[1]

@@ -113,12 +113,15 @@ def test_bad_engine_flags_are_one_line_too(capsys):
     assert line.startswith("kvserve serve: ") and "block_size" in line
 
 
-def test_a_kv_dtype_the_models_heads_cannot_take_is_one_line(tiny_llama_dir, capsys):
-    """int4 groups 32 values per scale; the tiny Llama's heads have 16."""
+@pytest.mark.parametrize("dtype", ["int4", "int8"])
+def test_a_kv_dtype_the_models_heads_cannot_take_is_one_line(tiny_llama_dir, capsys, dtype):
+    """Quantized rows are rotated in blocks of 32 or 64 values; the tiny Llama's heads have
+    16."""
     for command in (["serve"], ["plan", "--kv-cache-memory", "1"]):
-        line = fails([*command, "--model", str(tiny_llama_dir), "--kv-cache-dtype", "int4"], capsys)
+        line = fails([*command, "--model", str(tiny_llama_dir), "--kv-cache-dtype", dtype], capsys)
         assert line == (
-            f"kvserve {command[0]}: an int4 KV cache needs head sizes that are multiples of 32: 16"
+            f"kvserve {command[0]}: --kv-cache-dtype {dtype} needs head sizes that are multiples "
+            "of 32 (rows are stored rotated in blocks of 32 or 64 values), not 16"
         )
 
 
