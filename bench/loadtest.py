@@ -272,10 +272,36 @@ class Summary:
     queue_delay: LatencyStats  # client-side wait for a --max-concurrency slot
     goodput: float | None  # requests/s meeting every SLO; None without SLOs
     good_requests: int | None
+    by_turn: tuple[TurnStats, ...] = ()  # with --turns > 1: each turn's requests alone
+
+
+@dataclass(frozen=True)
+class TurnStats:
+    """The requests of one turn of every chat session (turn 1: every session's first)."""
+
+    turn: int
+    completed: int
+    ttft: LatencyStats
+    cached_fraction: float | None  # of the turn's prompt tokens, served by the prefix cache
+
+
+def turn_stats(records: Sequence[RequestRecord], planned: int, turns: int) -> list[TurnStats]:
+    """``synthetic_requests`` numbers every session's first turn, then every second one...:
+    request i is turn i // sessions."""
+    sessions = math.ceil(planned / turns)
+    out = []
+    for t in range(turns):
+        ok = [r for r in records if r.success and r.index // sessions == t]
+        prompt = sum(r.prompt_tokens or 0 for r in ok)
+        cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+        fraction = sum(cached) / prompt if cached and prompt else None
+        ttft = latency_stats([r.ttft_s for r in ok if r.ttft_s is not None])
+        out.append(TurnStats(t + 1, len(ok), ttft, fraction))
+    return out
 
 
 def summarize(
-    records: Sequence[RequestRecord], duration_s: float, slo: SLO, planned: int
+    records: Sequence[RequestRecord], duration_s: float, slo: SLO, planned: int, turns: int = 1
 ) -> Summary:
     """Aggregate per-request records; throughputs count successful requests only."""
     ok = [r for r in records if r.success]
@@ -315,6 +341,7 @@ def summarize(
         queue_delay=latency_stats([r.start_s - r.scheduled_s for r in started]),
         goodput=None if good is None else good / dur,
         good_requests=good,
+        by_turn=tuple(turn_stats(records, planned, turns)) if turns > 1 else (),
     )
 
 
@@ -859,7 +886,8 @@ async def run_benchmark(config: BenchConfig) -> BenchResult:
         await scraper.probe()
         started_at = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
         records, duration_s = await _drive(client, config, model, requests, scraper)
-    summary = summarize(records, duration_s, config.slo, len(requests))
+    turns = config.turns if config.dataset is None else 1
+    summary = summarize(records, duration_s, config.slo, len(requests), turns)
     return BenchResult(config, model, started_at, summary, records, scraper.series)
 
 
@@ -979,6 +1007,12 @@ def format_summary(result: BenchResult) -> str:
         row(f"Median {abbrev} (ms):", stats.median_ms, ".2f")
         row(f"P90 {abbrev} (ms):", stats.p90_ms, ".2f")
         row(f"P99 {abbrev} (ms):", stats.p99_ms, ".2f")
+    if s.by_turn:
+        lines.append("{:-^{w}}".format(" By turn of the sessions ", w=w))
+        for t in s.by_turn:
+            row(f"Turn {t.turn} median TTFT (ms):", t.ttft.median_ms, ".2f")
+            cached = None if t.cached_fraction is None else 100 * t.cached_fraction
+            row(f"Turn {t.turn} prefix cache hits (%):", cached, ".1f")
     m = result.metrics
     if m.t_s:
         lines.append("{:-^{w}}".format(" Server /metrics ", w=w))

@@ -638,3 +638,20 @@ def test_real_server_completes_a_short_benchmark(smollm2_dir):
         pytest.skip("the server exports no /metrics yet")
     assert result.metrics.t_s and "num_requests_running" in result.metrics.values
     assert max(v or 0 for v in result.metrics.values["num_requests_running"]) >= 1
+
+
+def test_a_session_workload_reports_each_turn_apart():
+    """Three sessions of two turns: requests 0-2 are first turns, 3-5 second ones (whose
+    prompts the prefix cache partly served); one of them failed."""
+    records = [_record(i, ttft=0.1 * (1 + i // 3), e2e=1.0, tokens=4) for i in range(6)]
+    for r in records[3:]:
+        r.prompt_tokens, r.cached_tokens = 20, 15
+    records[5].success = False
+    s = summarize(records, 2.0, SLO(), planned=6, turns=2)
+    first, second = s.by_turn
+    assert (first.turn, first.completed, second.turn, second.completed) == (1, 3, 2, 2)
+    assert first.ttft.median_ms == pytest.approx(100) and second.ttft.median_ms == pytest.approx(
+        200
+    )
+    assert first.cached_fraction is None and second.cached_fraction == pytest.approx(0.75)
+    assert summarize(records, 2.0, SLO(), planned=6).by_turn == ()
