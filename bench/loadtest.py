@@ -395,7 +395,8 @@ def parse_metrics(text: str) -> tuple[dict[str, float], dict[str, float]]:
     """Prometheus text -> (gauges we chart, every kvserve/vLLM ``*_total`` counter)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    per_label: dict[str, dict[str, float]] = {}
+    # A gauge by prefix, then suffix: kvserve exports vLLM's names too, and its own win.
+    per_label: dict[str, dict[str, dict[str, float]]] = {p: {} for p in METRIC_PREFIXES}
     counters: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -409,7 +410,8 @@ def parse_metrics(text: str) -> tuple[dict[str, float], dict[str, float]]:
             suffix = s.name[len(prefix) :]
             suffix = GAUGE_ALIASES.get(suffix, suffix)
             if suffix in SCRAPED_GAUGES:
-                per_label.setdefault(suffix, {})[labels] = float(s.value)
+                per_label[prefix].setdefault(suffix, {})[labels] = float(s.value)
+    per_label = {**per_label["vllm:"], **per_label["kvserve:"]}
     gauges: dict[str, float] = {}
     for suffix, by_label in per_label.items():
         combine = max if suffix == "kv_cache_usage_perc" else sum
