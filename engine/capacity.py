@@ -56,6 +56,13 @@ def format_capacity(cache: CacheConfig, max_model_len: int) -> str:
             f"{r.kind:<32} {r.dtype:>9} {r.num_layers:>6} {r.bytes_per_token:>12,} "
             f"{r.num_blocks:>8} {r.tokens:>10,} {r.max_seqs_at_full_len:>10}"
         )
+    if cache.host_tier:  # the host pools (swap shares them), in host memory
+        for g, n in zip(cache.groups, cache.num_host_blocks):
+            kind = f"{type(g.spec).__name__} (host tier)"
+            lines.append(
+                f"{kind:<32} {g.spec.dtype:>9} {len(g.layer_ids):>6} {g.bytes_per_token:>12,} "
+                f"{n:>8} {n * cache.block_size:>10,} {'':>10}"
+            )
     return "\n".join(lines)
 
 
@@ -95,6 +102,7 @@ def make_plan(
     weight_dtype: str = "float32",
     quantization: str | None = None,
     kv_cache_dtype: str | None = None,
+    kv_host_cache_gib: float = 0.0,
 ) -> Plan:
     """With tensor parallelism, one rank's plan: its share of the KV heads in its memory (for
     MLA, the whole latent cache: every rank holds it)."""
@@ -104,7 +112,10 @@ def make_plan(
     groups = model_class(cfg).kv_cache_groups(rank_cfg, kv_dtype)
     max_len = max_model_len or cfg.max_position_embeddings
     memory = int(kv_cache_memory_gib * GIB)
-    cache = CacheConfig(groups, block_size, split_memory(groups, memory, block_size, max_len))
+    blocks = split_memory(groups, memory, block_size, max_len)
+    host = split_memory(groups, int(kv_host_cache_gib * GIB), block_size, max_len)
+    tier = kv_host_cache_gib > 0
+    cache = CacheConfig(groups, block_size, blocks, host if tier else (), tier, tier)
     weights = stored_weight_bytes(cfg, 4 if weight_dtype == "float32" else 2, quantization)
     return Plan(cfg, kv_dtype, memory, max_len, cache, tensor_parallel_size, weights)
 

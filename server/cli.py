@@ -26,7 +26,7 @@ log = logging.getLogger("kvserve")
 
 PLAN_SETTINGS = (
     "model", "kv_cache_memory_gib", "max_model_len", "block_size", "dtype", "tensor_parallel_size",
-    "quantization", "kv_cache_dtype",
+    "quantization", "kv_cache_dtype", "kv_host_cache_gib",
 )  # fmt: skip
 
 
@@ -164,7 +164,7 @@ def plan(args: EngineArgs) -> int:
     result = make_plan(
         args.model, args.kv_cache_memory_gib, args.max_model_len, args.block_size, args.dtype,
         args.tensor_parallel_size, quantization=args.quantization,
-        kv_cache_dtype=args.kv_dtype(args.dtype),
+        kv_cache_dtype=args.kv_dtype(args.dtype), kv_host_cache_gib=args.kv_host_cache_gib,
     )  # fmt: skip
     print(format_plan(result))
     return 0

@@ -258,3 +258,15 @@ def test_a_gguf_file_is_planned_with_its_weights_at_their_stored_size(capsys, sm
     embed = 49152 * 576 * 4  # the (tied) embedding stays float32
     assert fp32 == pytest.approx(134_515_008 * 4, rel=1e-3)
     assert q8 - embed == pytest.approx((fp32 - embed) * 34 / 32 / 4, rel=0.01)
+
+
+def test_the_host_tier_has_its_own_rows(llama_dir, capsys):
+    """--kv-host-cache-gib: blocks of the same bytes in host memory, and the tokens they keep."""
+    assert main(["--model", str(llama_dir), "--kv-cache-memory", "1", "--dtype", "float32",
+                 "--kv-host-cache-gib", "2"]) == 0  # fmt: skip
+    out = capsys.readouterr().out.splitlines()
+    (device,) = [l for l in out if l.startswith("FullAttentionSpec ") and "host" not in l]
+    (host,) = [line for line in out if line.startswith("FullAttentionSpec (host tier)")]
+    device_blocks, host_blocks = int(device.split()[4]), int(host.split()[6])
+    assert abs(host_blocks - 2 * device_blocks) <= 2  # each rounded down
+    assert int(host.split()[7].replace(",", "")) == host_blocks * 16
