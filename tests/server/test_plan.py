@@ -61,11 +61,15 @@ def expected_row(bytes_per_token: int, gib: float, block_size: int, max_len: int
 @pytest.mark.parametrize(
     ("dtype", "kv", "stored", "row_bytes"),
     [("float32", "float32", "float32", 64), ("bfloat16", "auto", "bfloat16", 32),
-     ("float32", "auto", "float16", 32), ("float32", "int8", "int8", 16 + 4)],
+     ("float32", "auto", "float16", 32), ("float32", "int8", "int8", 32 + 4)],
 )  # fmt: skip
 def test_llama_plan_is_k_and_v_per_kv_head_per_layer(llama_dir, dtype, kv, stored, row_bytes,
                                                      capsys):  # fmt: skip
-    """``row_bytes``: a head's row of 16 values (int8: and its float32 scale)."""
+    """``row_bytes``: a head's row of 16 values (int8: of 32, the least its rotation blocks
+    take, and its float32 scale)."""
+    if kv == "int8":
+        config = json.loads((llama_dir / "config.json").read_text())
+        (llama_dir / "config.json").write_text(json.dumps({**config, "hidden_size": 128}))
     per_token = 2 * 2 * row_bytes * 3  # K and V x kv_heads x layers
     flags = ["--model", str(llama_dir), "--kv-cache-memory", "0.25", "--dtype", dtype]
     assert main([*flags, "--kv-cache-dtype", kv]) == 0
