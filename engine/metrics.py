@@ -193,6 +193,7 @@ class EngineMetrics:
             (self.preemptions, PREEMPTION_MODES),
             (self.context_overflows, CONTEXT_POLICIES),
             (self.swapped_blocks, ("in", "out")),
+            (self.tier_blocks, ("stored", "loaded", "dropped")),
             (self.kv_evictions, IMPORTANCE_POLICIES),
             (self.kv_evicted_tokens, IMPORTANCE_POLICIES),
             (self.rejected, REJECT_REASONS),
