@@ -136,6 +136,14 @@ def _add_prompt_arguments(work) -> None:
         "(--num-prompts counts turns)",
     )
     work.add_argument(
+        "--session-history",
+        type=int,
+        default=0,
+        metavar="N",
+        help="tokens of each session's own text ahead of its first turn (LMCache's "
+        "multi-round QA --user-history-prompt)",
+    )
+    work.add_argument(
         "--dataset",
         metavar="FILE.jsonl",
         help='lines with "prompt" or "messages", optional "max_tokens"',
@@ -182,6 +190,7 @@ def workload_from_args(args: argparse.Namespace) -> dict[str, Any]:
         prefix_len=args.prefix_len,
         prefix_fraction=args.prefix_fraction,
         turns=args.turns,
+        session_history=args.session_history,
         dataset=args.dataset,
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,

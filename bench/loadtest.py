@@ -131,6 +131,7 @@ class BenchConfig:
     prefix_len: int = 0  # tokens of one shared prefix ahead of synthetic prompts
     prefix_fraction: float = 1.0  # of the synthetic prompts, the share that start with it
     turns: int = 1  # synthetic chat sessions of this many turns, each resending its history
+    session_history: int = 0  # tokens of each session's own text ahead of its first turn
     dataset: str | None = None  # JSONL with "prompt" or "messages", optional "max_tokens"
     ignore_eos: bool = True
     temperature: float = 0.0
@@ -161,6 +162,8 @@ class BenchConfig:
                 raise ValueError("length ranges are ratios in [0, 1)")
         if not 0 <= self.prefix_fraction <= 1 or self.turns < 1:
             raise ValueError("prefix_fraction is in [0, 1] and turns at least 1")
+        if self.session_history < 0:
+            raise ValueError("session_history must not be negative")
         if self.prefix_len < 0 or self.scrape_interval_s < 0 or not self.request_timeout_s > 0:
             raise ValueError("prefix_len, scrape interval and request timeout must not be negative")
 
@@ -537,7 +540,8 @@ def synthetic_requests(
     beyond what the workload shares: the ``prefix_len`` tokens ahead of a ``prefix_fraction``
     of the prompts, and with ``turns`` > 1 each session's history (every turn resends the
     conversation so far, with a random-word reply of the turn's output length standing in for
-    the model's, and is sent when the session's previous turn has ended)."""
+    the model's, and is sent when the session's previous turn has ended), which starts with
+    ``session_history`` tokens of its own (LMCache's multi-round QA ``--user-history-prompt``)."""
     rng = np.random.default_rng([config.seed, 0])
     tokens_per_word = calibration.tokens_per_word
     prefix = _words(config.prefix_len, tokens_per_word, rng) + " " if config.prefix_len else ""
@@ -552,8 +556,11 @@ def synthetic_requests(
     for i, (n_in, n_out) in enumerate(zip(in_lens, out_lens, strict=True)):
         session, turn = i % sessions, i // sessions  # all first turns, then all second ones
         text = _words(int(n_in) - calibration.overhead_tokens, tokens_per_word, rng)
+        if turn == 0 and config.session_history:  # the session's own document, LMCache's
+            history_text = _words(config.session_history, tokens_per_word, rng)
+            text, est[session] = history_text + " " + text, config.session_history
         if turn == 0 and shared[i]:
-            text, est[session] = prefix + text, config.prefix_len
+            text, est[session] = prefix + text, est[session] + config.prefix_len
         messages = history[session] + [{"role": "user", "content": text}]
         est[session] += int(n_in)
         after = i - sessions if turn else None

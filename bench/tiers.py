@@ -1,13 +1,14 @@
 """Returning conversations with and without the host tier of the prefix cache, served.
 
     python -m bench.tiers [--model smollm2-135m-instruct] [--users 4] [--rounds 4]
-        [--system 512] [--turn 64] [--answer 32] [--num-kv-blocks 48] [--host-gib 0.25]
-        [--out PREFIX]
+        [--system 512] [--history 1024] [--turn 64] [--answer 32] [--num-kv-blocks 48]
+        [--host-gib 0.25] [--out PREFIX]
 
 LMCache's multi-round QA shape, scaled to a 2-core CPU: ``--users`` chat sessions share a
-system prompt of ``--system`` tokens and take ``--rounds`` turns each, every turn resending the
-conversation so far with a ``--turn``-token question and answered in ``--answer`` tokens (the
-load tester's session workload, ``kvserve bench --turns``), one user at a time. The device pool
+system prompt of ``--system`` tokens, each has ``--history`` tokens of its own, and they take
+``--rounds`` turns each, every turn resending the conversation so far with a ``--turn``-token
+question and answered in ``--answer`` tokens (the load tester's session workload, ``kvserve
+bench --turns --session-history``), one user at a time. The device pool
 (``--num-kv-blocks``) is too small to keep every conversation, so by the time a user returns,
 the others have evicted its history. Each server runs alone, started fresh: kvserve without
 the tier, then with ``--kv-host-cache-gib``. Per server: median TTFT by round (round 1
@@ -42,7 +43,8 @@ def sessions(args, root: str, rounds: int, users: int, concurrency: int, seed: i
     config = BenchConfig(
         base_url=root + "/v1", model="kvserve", num_prompts=users * rounds, turns=rounds,
         prefix_len=args.system, prefix_fraction=1.0 if args.system else 0.0,
-        input_len=args.turn, output_len=args.answer, max_concurrency=concurrency,
+        session_history=args.history if rounds > 1 else 0, input_len=args.turn,
+        output_len=args.answer, max_concurrency=concurrency,
         ignore_eos=True, scrape_interval_s=0, seed=seed,
     )  # fmt: skip
     return asyncio.run(run_benchmark(config)).summary
@@ -52,7 +54,8 @@ def run(args, name: str, extra: list[str], log_dir: Path) -> dict:
     command = [
         str(Path(sys.executable).with_name("kvserve")), "serve", "--model", str(args.model_dir),
         "--served-model-name", "kvserve", "--host", "127.0.0.1", "--port", str(PORT),
-        "--max-model-len", str(args.system + args.rounds * (args.turn + args.answer) + 64),
+        "--max-model-len",
+        str(args.system + args.history + args.rounds * (args.turn + args.answer) + 64),
         "--num-kv-blocks", str(args.num_kv_blocks), "--max-num-seqs", "4", *extra,
     ]  # fmt: skip
     with started(Server(name, "kvserve", "", command), PORT, log_dir) as root:
@@ -114,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--users", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--system", type=int, default=512, help="shared system prompt tokens")
+    parser.add_argument(
+        "--history",
+        type=int,
+        default=1024,
+        help="each user's own tokens ahead of its first question",
+    )
     parser.add_argument("--turn", type=int, default=64, help="question tokens per turn")
     parser.add_argument("--answer", type=int, default=32, help="answer tokens per turn")
     parser.add_argument("--num-kv-blocks", type=int, default=48)

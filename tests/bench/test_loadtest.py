@@ -291,6 +291,15 @@ def test_sessions_resend_their_history_and_a_fraction_shares_the_prefix():
             before = reqs[i - sessions].messages
             assert r.messages[: len(before)] == before
             assert len(r.messages[-2]["content"].split()) == reqs[i - sessions].max_tokens
+    # Each session's own history ahead of its first question, after the shared prefix.
+    own = synthetic_requests(dataclasses.replace(config, session_history=20, prefix_fraction=1))
+    firsts = [r.messages[0]["content"].split() for r in own[:sessions]]
+    assert all(len(words) == 5 + 20 + 6 for words in firsts)
+    assert (
+        len({" ".join(w[:5]) for w in firsts}) == 1
+        and len({" ".join(w[5:25]) for w in firsts}) == 3
+    )
+    assert own[0].prompt_tokens_est == 5 + 20 + 6 and own[3].messages[0] == own[0].messages[0]
     many = synthetic_requests(dataclasses.replace(config, num_prompts=400, turns=1))
     heads = [" ".join(r.messages[0]["content"].split()[:5]) for r in many]
     shared = max(set(heads), key=heads.count)
