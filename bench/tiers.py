@@ -2,7 +2,7 @@
 
     python -m bench.tiers [--model smollm2-135m-instruct] [--users 4] [--rounds 4]
         [--system 512] [--history 1024] [--turn 64] [--answer 32] [--num-kv-blocks 48]
-        [--host-gib 0.25] [--out PREFIX]
+        [--host-gib 0.25] [--repeat 1] [--out PREFIX]
 
 LMCache's multi-round QA shape, scaled to a 2-core CPU: ``--users`` chat sessions share a
 system prompt of ``--system`` tokens, each has ``--history`` tokens of its own, and they take
@@ -16,7 +16,9 @@ computes everything; later rounds recompute the history without the tier and cop
 the host with it), the share of prompt tokens the prefix cache served, and then a pass with no
 reuse at all (distinct prompts, one turn each, 4 at a time) for the throughput the tier costs
 when nothing comes back. The host tier's blocks are read from /metrics at the end of each run,
-with its capacity: the bound holds if the first never exceeds the second.
+with its capacity: the bound holds if the first never exceeds the second. ``--repeat N`` runs
+both servers in turn N times and reports each figure's median (the box's speed moves from
+minute to minute).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -82,6 +85,23 @@ def run(args, name: str, extra: list[str], log_dir: Path) -> dict:
     )  # fmt: skip
 
 
+def medians(runs: list[dict]) -> dict:
+    """Each figure's median over the runs (the first error, if any run failed)."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    first = runs[0]
+    rounds = [
+        {**row, "ttft_ms": statistics.median(r["rounds"][i]["ttft_ms"] for r in runs)}
+        for i, row in enumerate(first["rounds"])
+    ]
+    return {**first, "rounds": rounds, "runs": len(runs),
+            "failed": sum(r["failed"] for r in runs),
+            "no_reuse_tok_s": statistics.median(r["no_reuse_tok_s"] for r in runs),
+            "no_reuse_tok_s_each": [r["no_reuse_tok_s"] for r in runs],
+            "host_blocks": max((r["host_blocks"] or 0) for r in runs)}  # fmt: skip
+
+
 def table(results: dict) -> str:
     off = results.get("off", {})
     lines = ["| server | round | median TTFT ms | vs no tier | prefix cache hits |",
@@ -127,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answer", type=int, default=32, help="answer tokens per turn")
     parser.add_argument("--num-kv-blocks", type=int, default=48)
     parser.add_argument("--host-gib", type=float, default=0.25)
+    parser.add_argument("--repeat", type=int, default=1, help="runs of both servers, in turn")
     parser.add_argument("--log-dir", default="/tmp/kvserve-tiers")
     parser.add_argument("--out", help="write PREFIX.md and PREFIX.json")
     args = parser.parse_args(argv)
@@ -134,10 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     servers = {"off": [], "host": ["--kv-host-cache-gib", str(args.host_gib)]}
-    results = {}
-    for name, extra in servers.items():
-        results[name] = run(args, name, extra, log_dir)
-        print(f"{name}: {results[name]}", flush=True)
+    runs: dict[str, list[dict]] = {name: [] for name in servers}
+    for _ in range(args.repeat):  # the servers in turn: a slow minute hits both
+        for name, extra in servers.items():
+            runs[name].append(run(args, name, extra, log_dir))
+            print(f"{name}: {runs[name][-1]}", flush=True)
+    results = {name: medians(r) for name, r in runs.items()}
     text = table(results)
     words = sys.argv[1:] if argv is None else argv
     head = (f"box: {os.cpu_count()} cores, {cpu_model()}; "
