@@ -96,6 +96,19 @@ class EngineMetrics:
             "prefix_cache_hits",
             "Of the tokens looked up, those found in the prefix cache (any tier).",
         )
+        self._host_tier_metrics(counter, gauge)
+        self.rejected = counter(
+            "requests_rejected", "Requests refused before any work, by reason.", ("reason",)
+        )
+        self._speculation_counters(counter)
+        self.cache_config = Info(
+            "kvserve:cache_config", "KV-cache layout and capacity.", registry=r
+        )
+        self._router_metrics(r)
+        self._blocks: list[int] = []  # blocks per group's pool, once described
+        self._export_known_labels()
+
+    def _host_tier_metrics(self, counter, gauge) -> None:
         self.host_hits = counter(
             "prefix_cache_host_hits",
             "Of the prefix cache's hits, the tokens found in the host tier and copied back up.",
@@ -112,16 +125,6 @@ class EngineMetrics:
         self.host_capacity = gauge(
             "kv_host_capacity_blocks", "Blocks of the host pools (the swap pool shares them)."
         )
-        self.rejected = counter(
-            "requests_rejected", "Requests refused before any work, by reason.", ("reason",)
-        )
-        self._speculation_counters(counter)
-        self.cache_config = Info(
-            "kvserve:cache_config", "KV-cache layout and capacity.", registry=r
-        )
-        self._router_metrics(r)
-        self._blocks: list[int] = []  # blocks per group's pool, once described
-        self._export_known_labels()
 
     def _router_metrics(self, r: CollectorRegistry) -> None:
         """vLLM's names for what a cluster router's endpoint picker scrapes by default (the
