@@ -1,6 +1,6 @@
-"""Rotary embedding of a step's queries and keys in one Triton kernel: a program per (token,
-head) of either, in the half-split layout of ``kernels.reference.apply_rope`` and its rounding
-(in half precision each product and the sum round to the dtype, as torch's operators do). The
+"""Rotary embedding of a step's queries and keys in one Triton kernel: a program per token and
+tile of heads of either, in the half-split layout of ``kernels.reference.apply_rope`` and its
+rounding (in half precision each product and the sum round to the dtype, as torch's do). The
 torch reference is ten kernels a layer on the GPU (two negations, concatenations, four
 products, two sums).
 
@@ -55,21 +55,29 @@ def _rope_kernel(
     HK: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
+    # Programs (token, tile): a tile of BLOCK_H query heads, then tiles of key heads.
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    d = tl.arange(0, BLOCK)
-    ok = d < HALF
-    if h < HQ:
+    tile = tl.program_id(1)
+    q_tiles: tl.constexpr = (HQ + BLOCK_H - 1) // BLOCK_H
+    d = tl.arange(0, BLOCK)[None, :]
+    ok_d = d < HALF
+    if tile < q_tiles:
+        h = tile * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
+        ok = (h < HQ) & ok_d
         src = q_ptr + t * stride_qt + h * stride_qh
         dst = q_out + (t * HQ + h) * 2 * HALF
     else:
-        src = k_ptr + t * stride_kt + (h - HQ) * stride_kh
-        dst = k_out + (t * HK + h - HQ) * 2 * HALF
+        h = (tile - q_tiles) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
+        ok = (h < HK) & ok_d
+        src = k_ptr + t * stride_kt + h * stride_kh
+        dst = k_out + (t * HK + h) * 2 * HALF
     dtype = q_out.dtype.element_ty
     x1 = tl.load(src + d, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + d, mask=ok, other=0.0).to(tl.float32)
-    y1, y2 = _turn(x1, x2, cos_ptr + t * stride_ct, sin_ptr + t * stride_ct, d, ok, HALF, dtype)
+    c, s = cos_ptr + t * stride_ct, sin_ptr + t * stride_ct
+    y1, y2 = _turn(x1, x2, c, s, d, ok_d, HALF, dtype)
     tl.store(dst + d, y1.to(dtype), mask=ok)
     tl.store(dst + HALF + d, y2.to(dtype), mask=ok)
 
@@ -252,9 +260,13 @@ def rope_launch(
     q_out, k_out = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k))
     args = (q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             cos.stride(0))  # fmt: skip
-    params = dict(HQ=hq, HK=hk, HALF=dim // 2, BLOCK=triton.next_power_of_2(dim // 2),
-                  num_warps=1 if dim <= 128 else 2)  # fmt: skip
-    return q_out, k_out, Launch(_rope_kernel, (tokens, hq + hk), args, params)
+    block = triton.next_power_of_2(dim // 2)
+    # Heads a program turns: as many as keep a half-row tile within 1,024 values.
+    heads = max(1, min(triton.next_power_of_2(max(hq, hk)), 1024 // block))
+    tiles = triton.cdiv(hq, heads) + triton.cdiv(hk, heads)
+    params = dict(HQ=hq, HK=hk, HALF=dim // 2, BLOCK=block, BLOCK_H=heads,
+                  num_warps=1 if heads * block <= 128 else 4)  # fmt: skip
+    return q_out, k_out, Launch(_rope_kernel, (tokens, tiles), args, params)
 
 
 def rotate_write_launch(

@@ -486,7 +486,7 @@ def test_engine_with_triton_backend_generates_the_torch_backend_tokens(smollm2_d
         "def fibonacci(n):\n    ",
         "Once upon a time, in a small village by the sea, there lived an old fisherman who",
     ]
-    params = SamplingParams(max_tokens=5, temperature=0)
+    params = SamplingParams(max_tokens=3, temperature=0)
     tokens = {}
     for backend in ("torch", "triton"):
         llm = LLM(
@@ -497,7 +497,7 @@ def test_engine_with_triton_backend_generates_the_torch_backend_tokens(smollm2_d
         assert len(llm.tokenizer.encode(prompts[2])) > 16  # really chunked
         tokens[backend] = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
     assert tokens["triton"] == tokens["torch"]
-    assert all(len(t) == 5 for t in tokens["torch"])
+    assert all(len(t) == 3 for t in tokens["torch"])
 
 
 def test_bench_smoke_runs_and_writes_both_copies(tmp_path, capsys):
