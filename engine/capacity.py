@@ -113,9 +113,9 @@ def make_plan(
     max_len = max_model_len or cfg.max_position_embeddings
     memory = int(kv_cache_memory_gib * GIB)
     blocks = split_memory(groups, memory, block_size, max_len)
-    host = split_memory(groups, int(kv_host_cache_gib * GIB), block_size, max_len)
     tier = kv_host_cache_gib > 0
-    cache = CacheConfig(groups, block_size, blocks, host if tier else (), tier, tier)
+    host = split_memory(groups, int(kv_host_cache_gib * GIB), block_size, max_len) if tier else ()
+    cache = CacheConfig(groups, block_size, blocks, host, prefix_caching=tier, host_tier=tier)
     weights = stored_weight_bytes(cfg, 4 if weight_dtype == "float32" else 2, quantization)
     return Plan(cfg, kv_dtype, memory, max_len, cache, tensor_parallel_size, weights)
 

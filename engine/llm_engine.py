@@ -434,12 +434,12 @@ class LLMEngine:
 
     def record_gauges(self) -> None:
         """The running/waiting/swapped gauges and KV usage, as they are now."""
-        sched = self.scheduler
+        sched, kv = self.scheduler, self.kv
+        total = 1.0 - kv.num_free_blocks / kv.num_total_blocks
         self.metrics.gauges(
-            len(sched.running), len(sched.waiting), len(sched.swapped), self.kv.usage()
+            len(sched.running), len(sched.waiting), len(sched.swapped), kv.usage(), total
         )
-        if self.kv.host_tier:
-            kv = self.kv
+        if kv.host_tier:
             self.metrics.host_tier(
                 kv.num_cached_host_blocks, kv.num_total_host_blocks, kv.take_tier_counts()
             )

@@ -105,7 +105,6 @@ class EngineMetrics:
             "kvserve:cache_config", "KV-cache layout and capacity.", registry=r
         )
         self._router_metrics(r)
-        self._blocks: list[int] = []  # blocks per group's pool, once described
         self._export_known_labels()
 
     def _host_tier_metrics(self, counter, gauge) -> None:
@@ -235,9 +234,11 @@ class EngineMetrics:
         self.vllm_cache_config.info(
             {"block_size": str(cache.block_size), "num_gpu_blocks": str(blocks)}
         )
-        self._blocks = [g.num_blocks for g in groups]
 
-    def gauges(self, running: int, waiting: int, swapped: int, usage: list[float]) -> None:
+    def gauges(
+        self, running: int, waiting: int, swapped: int, usage: list[float], total_usage: float
+    ) -> None:
+        """``usage`` per group's pool, ``total_usage`` of all their blocks together."""
         self.running.set(running)
         self.waiting.set(waiting)
         self.swapped.set(swapped)
@@ -245,9 +246,7 @@ class EngineMetrics:
             self.kv_usage.labels(str(gi)).set(u)
         self.vllm_running.set(running)
         self.vllm_waiting.set(waiting)
-        blocks = self._blocks or [1] * len(usage)  # weights before describe_cache: equal
-        if usage:
-            self.vllm_usage.set(sum(u * n for u, n in zip(usage, blocks)) / sum(blocks))
+        self.vllm_usage.set(total_usage)
 
     def host_tier(self, cached: int, capacity: int, moved: dict[str, int]) -> None:
         """The host tier's blocks now, and what it moved since the last call."""

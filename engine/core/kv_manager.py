@@ -200,13 +200,15 @@ class KVCacheManager:
         n = len(tables[0]) if tables else 0
         if not self.host_tier or n >= max_blocks:
             return 0, []
-        found = []
+        bs = self.block_size
+        found, block_tokens = [], []
         for j in range(n, max_blocks):
-            tokens = tuple(token_ids[j * self.block_size : (j + 1) * self.block_size])
+            tokens = tuple(token_ids[j * bs : (j + 1) * bs])
             row = [host.lookup(keys[j], None, tokens) for host in self.host_pools]
             if None in row:
                 break
             found.append(row)
+            block_tokens.append(tokens)
         m = min(len(found), *(pool.num_free for pool in self.pools))
         if not m:
             return 0, []
@@ -220,9 +222,7 @@ class KVCacheManager:
             fresh = pool.allocate(m)
             pool.incref(fresh)
             self._pinned.append((pool, fresh))
-            for i, d in enumerate(fresh):
-                j = n + i
-                tokens = tuple(token_ids[j * self.block_size : (j + 1) * self.block_size])
+            for j, d, tokens in zip(range(n, n + m), fresh, block_tokens):
                 parent = pool.ident(table[-1]) if table else None
                 table.append(d)
                 pool.register(d, keys[j], parent, tokens, keys[j - 1] if j else None)
