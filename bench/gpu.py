@@ -167,7 +167,8 @@ def stage_e(out: Path) -> int:
     folder = build_checkpoint(SERVED, out / "checkpoint")
     word_tokenizer(folder, SHAPES[SERVED][2]["vocab_size"])
     port = 8765
-    command = [str(Path(sys.executable).with_name("kvserve")), "serve", "--model", str(folder),
+    # The CLI as a module: a device image may run the checkout without installing it.
+    command = [sys.executable, "-m", "server.cli", "serve", "--model", str(folder),
                "--served-model-name", "kvserve", "--host", "127.0.0.1", "--port", str(port),
                "--device", "cuda", "--max-model-len", "4096"]  # fmt: skip
     server = cpu.Server("kvserve", "kvserve", "bf16", command)
