@@ -163,7 +163,7 @@ def generate_with_logits(llm: LLM, prompts: list[list[int]], monkeypatch, max_to
 
     def recording_sample(logits, request_ids, *args):
         for rid, row in zip(request_ids, logits):
-            seen[rid].append(row.detach().float().clone())
+            seen[rid].append(row.detach().float().cpu())
         return sample(logits, request_ids, *args)
 
     monkeypatch.setattr(llm.engine.runner.sampler, "sample", recording_sample)

@@ -7,14 +7,19 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
+from kernels import cpu
 from tests.helpers import random_prompt
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])
 def test_speculative_tokens_equal_plain_decoding_on_each_backend(tiny_llama_dir, backend):
+    if backend == "cpu" and cpu.load() is not None:
+        pytest.skip(f"the C++ kernels are unavailable: {cpu.load()}")
     prompts = [random_prompt(n, 128, seed=n) for n in (9, 23)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    common = dict(num_kv_blocks=32, block_size=16, attention_backend=backend)
+    # float32 on every device: in bfloat16 (CUDA's default) a verify chunk and one-token steps
+    # round differently, and a random model's near ties then pick other tokens.
+    common = dict(num_kv_blocks=32, block_size=16, attention_backend=backend, dtype="float32")
     plain = LLM(str(tiny_llama_dir), **common)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     for spec in ({"speculative_method": "ngram"}, {"speculative_model": str(tiny_llama_dir)}):
