@@ -1,7 +1,7 @@
 """One command for a lent GPU: the CUDA tests, the kernel benchmarks, the decode step and a
 served load test, into one results folder, in under 8 minutes of one device.
 
-    python -m bench.gpu --out DIR [--budget 470] [--stages A B C D E]
+    python -m bench.gpu --out DIR [--budget 470] [--stages A B C D E F]
 
 Stages, each a subprocess with its own deadline (cut to what the budget has left; a stage that
 fails or runs out is recorded and the next one runs):
@@ -17,6 +17,8 @@ fails or runs out is recorded and the next one runs):
   E  served: random bf16 weights at the Qwen2.5-1.5B shape with a word-level tokenizer,
      ``kvserve serve`` on the device, ``bench.loadtest`` at concurrency 1, 8 and 64 (256
      tokens in, 128 out, ignore_eos)
+  F  ``bench.step_profile``: a graphs decode step's wall time against its GPU kernel time,
+     and the kernels that take it
 
 ``DIR/summary.txt`` holds the device and versions, then per stage its command, deadline, exit
 code and the last lines of its output; each stage's whole log and result files lie beside it.
@@ -46,7 +48,7 @@ CUDA_TESTS = [
     "tests/engine/test_speculative_backends.py", "tests/engine/test_dtypes.py",
 ]  # fmt: skip
 # Seconds each stage may take at most; the whole run fits in --budget.
-DEADLINES = {"A": 170, "B": 90, "C": 140, "D": 45, "E": 110}
+DEADLINES = {"A": 150, "B": 60, "C": 120, "D": 45, "E": 90, "F": 120}
 MIN_STAGE_S = 10  # a stage left less than this by the budget is skipped
 SERVED = "qwen2.5-1.5b"
 CONCURRENCY = (1, 8, 64)
@@ -62,6 +64,7 @@ def stage_commands(out: Path) -> dict[str, tuple[str, list[str]]]:
         "C": ("decode_step and kernel_count", [py, "-m", "bench.gpu", "--stage-c", str(out)]),
         "D": ("quant_speed", [py, "-m", "bench.quant_speed", "--out", f"{out}/D_quant_speed"]),
         "E": ("served load test", [py, "-m", "bench.gpu", "--stage-e", str(out)]),
+        "F": ("step profile", [py, "-m", "bench.step_profile", "--out", f"{out}/F_step_profile"]),
     }  # fmt: skip
 
 

@@ -1,0 +1,93 @@
+"""Where a CUDA-graphs decode step's time goes: the wall time per step against the GPU kernel
+time per step, with the kernels that take it.
+
+    python -m bench.step_profile [--models smollm2-135m qwen2.5-1.5b] [--batch 1 64]
+
+Random bf16 weights at each shape (``bench.decode_step.SHAPES``), a 1,024-token prompt per
+sequence. Wall: (generate 65 tokens - generate 1) / 64. Kernel time: the profiler's device time
+over generate(33) less generate(1), per kernel, / 32; what the wall holds beyond it is host work
+and gaps between launches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.decode_step import SHAPES, build_checkpoint
+from engine import LLM, SamplingParams
+
+STEPS = 32
+
+
+def _generate(llm: LLM, prompts: list[list[int]], tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    llm.generate(prompts, params)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _kernel_us(llm: LLM, prompts: list[list[int]], tokens: int) -> dict[str, tuple[float, int]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _generate(llm, prompts, tokens)
+    return {e.key: (e.self_device_time_total, e.count) for e in prof.key_averages()
+            if e.self_device_time_total > 0}  # fmt: skip
+
+
+def profile_batch(llm: LLM, vocab: int, batch: int, top: int) -> list[str]:
+    gen = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(3, vocab, (1024,), generator=gen).tolist()] * batch
+    _generate(llm, prompts, 4)  # warm-up: kernels compiled, graphs captured
+    walls = [(_generate(llm, prompts, 65) - _generate(llm, prompts, 1)) / 64 * 1e3
+             for _ in range(2)]  # fmt: skip
+    many, one = _kernel_us(llm, prompts, STEPS + 1), _kernel_us(llm, prompts, 1)
+    per_step = {k: ((t - one.get(k, (0, 0))[0]) / 1e3 / STEPS, (c - one.get(k, (0, 0))[1]) / STEPS)
+                for k, (t, c) in many.items()}  # fmt: skip
+    gpu = sum(ms for ms, _ in per_step.values())
+    lines = [f"batch {batch}: wall {statistics.median(walls):.3f} ms/step, "
+             f"GPU kernels {gpu:.3f} ms/step", "", "| ms/step | calls/step | kernel |",
+             "|---|---|---|"]  # fmt: skip
+    for key, (ms, calls) in sorted(per_step.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"| {ms:.4f} | {calls:.1f} | `{key[:90]}` |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.step_profile", description=__doc__)
+    parser.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-1.5b"],
+                        choices=list(SHAPES))  # fmt: skip
+    parser.add_argument("--batch", nargs="+", type=int, default=[1, 64])
+    parser.add_argument("--top", type=int, default=14, help="kernels listed per batch")
+    parser.add_argument("--out", type=Path, help="write the tables to OUT.md")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device")
+    lines = [f"# Decode step profile, {torch.cuda.get_device_name()}, torch {torch.__version__}"]
+    with tempfile.TemporaryDirectory() as folder:
+        for name in args.models:
+            path = build_checkpoint(name, Path(folder))
+            llm = LLM(str(path), dtype="bfloat16", max_model_len=1200,
+                      max_num_seqs=max(args.batch), max_num_batched_tokens=2048,
+                      kv_cache_memory_gib=8, enable_prefix_caching=False)  # fmt: skip
+            for batch in args.batch:
+                lines += ["", f"## {name}", "", *profile_batch(llm, SHAPES[name][2]["vocab_size"],
+                                                               batch, args.top)]  # fmt: skip
+                print("\n".join(lines[-args.top - 5 :]), flush=True)
+            del llm
+            torch.cuda.empty_cache()
+    if args.out:
+        args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
