@@ -124,6 +124,21 @@ class EngineArgs:
         flag="--kv-host-cache-gib",
         metavar="GIB",
     )
+    kv_disk_cache_dir: str | None = setting(
+        None,
+        "a folder for prefix blocks the host tier evicts (files that outlive a restart, in a "
+        "subfolder per model and cache layout); needs --kv-host-cache-gib and "
+        "--kv-disk-cache-gib",
+        flag="--kv-disk-cache-dir",
+        metavar="DIR",
+    )
+    kv_disk_cache_gib: float = setting(
+        0.0,
+        "the disk tier's bound: bytes of block files it keeps in --kv-disk-cache-dir, least "
+        "recently used dropped first",
+        flag="--kv-disk-cache-gib",
+        metavar="GIB",
+    )
     kv_events_config: str | None = setting(
         None,
         "publish prefix-cache events for a cluster router, as vLLM's flag: a JSON object with "
@@ -248,6 +263,7 @@ class EngineArgs:
             (self.preemption_mode in PREEMPTION_MODES, "preemption_mode"),
             (self.swap_space_gib >= 0, "swap_space_gib"),
             (self.kv_host_cache_gib >= 0, "kv_host_cache_gib"),
+            (self.kv_disk_cache_gib >= 0, "kv_disk_cache_gib"),
             (self.max_overflow_tokens > 0, "max_overflow_tokens"),
             (self.max_queue_len is None or self.max_queue_len > 0, "max_queue_len"),
             (self.max_queued_tokens is None or self.max_queued_tokens > 0, "max_queued_tokens"),

@@ -31,6 +31,7 @@ from engine.core.scheduler import Scheduler
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_events import ZmqPublisher
 from engine.metrics import EngineMetrics
+from engine.worker.disk_tier import DiskStore, file_overhead, fingerprint
 from engine.worker.drafter import Drafter
 from engine.worker.memory import MemoryProfile
 from engine.worker.model_runner import ModelRunner
@@ -67,6 +68,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs):
         self.args = args
         path = resolve_model(args.model)
+        self.model_path = path.resolve()
         self.model_config = ModelConfig.from_dir(path)
         tp_size = args.tensor_parallel_size
         check_tensor_parallel(self.model_config, tp_size)
@@ -129,6 +131,8 @@ class LLMEngine:
             enable_prefix_caching=self.kv.prefix_caching,
             speculative_method=self.speculation.method if self.speculation else "off",
         )
+        if self.cache_config.num_disk_blocks:
+            self._open_disk_tier()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         # Prompt logprobs gathered chunk by chunk until the request's first output.
         self._prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
@@ -198,7 +202,44 @@ class LLMEngine:
                 "supported yet"
             )
         host = split_memory(groups, int(host_bytes), args.block_size, max_len) if host_bytes else ()
-        return CacheConfig(groups, args.block_size, blocks, host, args.enable_prefix_caching, tier)
+        disk = ()
+        if self._disk_tier_checked(tier):
+            disk = split_memory(groups, int(args.kv_disk_cache_gib * GIB), args.block_size,
+                                max_len, file_overhead(args.block_size))  # fmt: skip
+        return CacheConfig(groups, args.block_size, blocks, host, args.enable_prefix_caching, tier,
+                           disk)  # fmt: skip
+
+    def _disk_tier_checked(self, host_tier: bool) -> bool:
+        """Whether the disk tier is asked for; raises if its flags do not go together."""
+        args = self.args
+        if args.kv_disk_cache_dir is None:
+            if args.kv_disk_cache_gib:
+                raise ValueError("--kv-disk-cache-gib bounds --kv-disk-cache-dir: give both")
+            return False
+        if not args.kv_disk_cache_gib:
+            raise ValueError("--kv-disk-cache-dir needs --kv-disk-cache-gib (its byte bound)")
+        if not host_tier:
+            raise ValueError(
+                "--kv-disk-cache-dir needs --kv-host-cache-gib: blocks go down to disk and "
+                "back up through host memory"
+            )
+        if args.tensor_parallel_size > 1:
+            raise ValueError("--kv-disk-cache-dir: not supported with --tensor-parallel-size > 1")
+        return True
+
+    def _open_disk_tier(self) -> None:
+        """The disk tier's store over the host pool, and the blocks an earlier run left in it."""
+        args, config = self.args, self.cache_config
+        runner = self.runner
+        c = runner.config
+        dtypes = f"{c.dtype}/{c.kv_dtype}/{c.quantization or 'file'}"
+        identity = fingerprint(str(self.model_path), dtypes, config.block_size, list(config.groups))
+        store = DiskStore(args.kv_disk_cache_dir, identity, list(config.groups), runner.host_caches)
+        runner.disk = store
+        entries, skipped = store.scan()
+        loaded = self.kv.tiers.seed_disk(entries)
+        self.metrics.disk_blocks.labels("corrupt").inc(skipped)
+        log.info("disk KV tier %s: %d blocks found, %d files skipped", store.root, loaded, skipped)
 
     def _kv_memory_bytes(self) -> int:
         if self.args.kv_cache_memory_gib is not None:
@@ -440,9 +481,12 @@ class LLMEngine:
             len(sched.running), len(sched.waiting), len(sched.swapped), kv.usage(), total
         )
         if kv.host_tier:
-            self.metrics.host_tier(
-                kv.num_cached_host_blocks, kv.num_total_host_blocks, kv.take_tier_counts()
-            )
+            moved = kv.tiers.take_counts()
+            self.metrics.host_tier(kv.num_cached_host_blocks, kv.num_total_host_blocks,
+                                   moved["host"])  # fmt: skip
+            if kv.tiers.disk_pools:
+                self.metrics.disk_tier(kv.num_cached_disk_blocks, kv.num_total_disk_blocks,
+                                       moved["disk"])  # fmt: skip
 
     def _record_step(self) -> None:
         self.record_gauges()

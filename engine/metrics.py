@@ -112,10 +112,21 @@ class EngineMetrics:
             "prefix_cache_host_hits",
             "Of the prefix cache's hits, the tokens found in the host tier and copied back up.",
         )
+        self.disk_hits = counter(
+            "prefix_cache_disk_hits",
+            "Of the prefix cache's hits, the tokens found in the disk tier and copied back up.",
+        )
         self.tier_blocks = counter(
             "kv_host_tier_blocks",
             "Blocks the host tier wrote down (stored), copied back up (loaded), or could not "
             "take (dropped: every host block held).",
+            ("direction",),
+        )
+        self.disk_blocks = counter(
+            "kv_disk_tier_blocks",
+            "Blocks the disk tier wrote down (stored), read back up (loaded), or could not "
+            "take (dropped); corrupt: files found at start-up that were skipped (a bad "
+            "checksum, a cut-off write, another model's).",
             ("direction",),
         )
         self.host_cached = gauge(
@@ -124,6 +135,10 @@ class EngineMetrics:
         self.host_capacity = gauge(
             "kv_host_capacity_blocks", "Blocks of the host pools (the swap pool shares them)."
         )
+        self.disk_cached = gauge(
+            "kv_disk_cache_blocks", "Prefix blocks the disk tier holds, every group together."
+        )
+        self.disk_capacity = gauge("kv_disk_capacity_blocks", "Blocks the disk tier may hold.")
 
     def _router_metrics(self, r: CollectorRegistry) -> None:
         """vLLM's names for what a cluster router's endpoint picker scrapes by default (the
@@ -196,6 +211,7 @@ class EngineMetrics:
             (self.context_overflows, CONTEXT_POLICIES),
             (self.swapped_blocks, ("in", "out")),
             (self.tier_blocks, ("stored", "loaded", "dropped")),
+            (self.disk_blocks, ("stored", "loaded", "dropped", "corrupt")),
             (self.kv_evictions, IMPORTANCE_POLICIES),
             (self.kv_evicted_tokens, IMPORTANCE_POLICIES),
             (self.rejected, REJECT_REASONS),
@@ -255,6 +271,13 @@ class EngineMetrics:
         for direction, n in moved.items():
             self.tier_blocks.labels(direction).inc(n)
 
+    def disk_tier(self, cached: int, capacity: int, moved: dict[str, int]) -> None:
+        """The disk tier's blocks now, and what it moved since the last call."""
+        self.disk_cached.set(cached)
+        self.disk_capacity.set(capacity)
+        for direction, n in moved.items():
+            self.disk_blocks.labels(direction).inc(n)
+
     def refused(self, reason: str, policy: str | None = None) -> None:
         """A request refused before any work (on the thread that refused it), by ``policy``
         when its context policy did: such a request never reaches the scheduler, which counts
@@ -278,6 +301,7 @@ class EngineMetrics:
         self.prefix_queries.inc(events.prefix_queries)
         self.prefix_hits.inc(events.prefix_hits)
         self.host_hits.inc(events.host_hits)
+        self.disk_hits.inc(events.disk_hits)
         if self.spec_method is not None:
             method = self.spec_method
             self.spec_draft_tokens.labels(method).inc(events.drafted)

@@ -33,6 +33,8 @@ class CacheConfig:
     # Prefix blocks the device pools evict are written down to the host pools (which swap
     # shares), and found there again (``kv_manager``).
     host_tier: bool = False
+    # Under the host tier, a disk tier of this many blocks per group (``kv_tiers``).
+    num_disk_blocks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(self.groups))
@@ -42,6 +44,10 @@ class CacheConfig:
             raise ValueError("one swap pool size per KV-cache group")
         if self.host_tier and not (self.prefix_caching and self.num_host_blocks):
             raise ValueError("a host tier needs prefix caching and host blocks")
+        if self.num_disk_blocks and not (
+            self.host_tier and len(self.num_disk_blocks) == len(self.groups)
+        ):
+            raise ValueError("a disk tier needs a host tier and one pool size per group")
 
     def bytes_per_block(self, group: KVCacheGroup) -> int:
         return group.bytes_per_token * self.block_size
@@ -52,10 +58,15 @@ class CacheConfig:
 
 
 def split_memory(
-    groups: tuple[KVCacheGroup, ...], memory_bytes: int, block_size: int, max_model_len: int
+    groups: tuple[KVCacheGroup, ...],
+    memory_bytes: int,
+    block_size: int,
+    max_model_len: int,
+    overhead: int = 0,
 ) -> tuple[int, ...]:
-    """Blocks per group, sharing memory in proportion to what a full-length sequence needs."""
-    block_bytes = [g.bytes_per_token * block_size for g in groups]
+    """Blocks per group, sharing memory in proportion to what a full-length sequence needs
+    (``overhead``: bytes each block takes beyond its keys and values, a disk file's header)."""
+    block_bytes = [g.bytes_per_token * block_size + overhead for g in groups]
     demand = [
         g.spec.table_width(max_model_len, block_size) * b for g, b in zip(groups, block_bytes)
     ]

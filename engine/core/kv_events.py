@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 DEVICE = "GPU"
 HOST = "CPU"
+STORAGE = "STORAGE"
 
 
 def external_hash(key: bytes) -> int:

@@ -25,13 +25,13 @@ local layers' pool too. A shift copies a shared block before its keys are rotate
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 
 from engine.core.block_pool import BlockPool, block_hash
 from engine.core.config import CacheConfig
-from engine.core.kv_events import HOST, EventLog
+from engine.core.kv_events import EventLog
 from engine.core.kv_tables import BlockPair, TableManager, check_owners, table_manager
+from engine.core.kv_tiers import Tiers
 
 BlockTables = list[list[int]]  # one table per group
 BlockPairs = list[list[BlockPair]]  # per group: (from block, to block)
@@ -52,15 +52,7 @@ class KVCacheManager:
             pool.events, pool.group = events, g
         self.host_pools = [BlockPool(n) for n in config.num_host_blocks]
         self.host_tier = config.host_tier
-        # The host tier: device->host copies of evicted prefix blocks, in the order they were
-        # decided; blocks held until this step's copies have run; blocks moved, by direction.
-        self._spills: BlockPairs = [[] for _ in self.groups]
-        self._pinned: list[tuple[BlockPool, list[int]]] = []
-        self._moved = dict.fromkeys(("stored", "loaded", "dropped"), 0)
-        if self.host_tier:
-            for g, (pool, host) in enumerate(zip(self.pools, self.host_pools)):
-                host.events, host.group, host.medium = events, g, HOST
-                pool.on_evict = functools.partial(self._spill, g)
+        self.tiers = Tiers(config, self.pools, self.host_pools, events)
 
     @property
     def block_size(self) -> int:
@@ -159,91 +151,20 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (held blocks stay with their sequences), in every tier."""
-        tiers = self.host_pools if self.host_tier else []
-        return sum(pool.reset_cache() for pool in (*self.pools, *tiers))
-
-    # -- the host tier --------------------------------------------------------------------------
-    #
-    # Write-back: a registered block the device pool hands out again is first copied to a host
-    # block registered under the same key (unless the host tier has it already), the least
-    # recently used host block making room. A request's prefix hit continues where the device
-    # pool's ends with blocks found in the host tier, copied up into fresh device blocks that
-    # are registered at once. The copies run before everything else of the step (spills first:
-    # a fresh block may be written by the step's later moves); the blocks they read stay held
-    # until the next step begins (``end_step``), so that nothing in the same step reuses them.
-
-    def _spill(self, group: int, block: int, entry: tuple) -> None:
-        key, _, tokens = entry
-        host = self.host_pools[group]
-        if host.lookup(key, None, tokens) is not None:
-            return
-        if not host.num_free:
-            self._moved["dropped"] += 1
-            return
-        (h,) = host.allocate(1)
-        host.register(h, key, None, tokens)
-        host.free([h])  # cached, the most recently used
-        self._spills[group].append((block, h))
-        self._moved["stored"] += 1
-
-    def take_spills(self) -> BlockPairs:
-        """The device->host copies decided since the last call, per group."""
-        spills, self._spills = self._spills, [[] for _ in self.groups]
-        return spills
-
-    def load_prefix(
-        self, tables: BlockTables, token_ids: list[int], keys: list[bytes], max_blocks: int
-    ) -> tuple[int, BlockPairs]:
-        """Continue the prefix ``tables`` hold with the blocks after it found in the host tier
-        (up to ``max_blocks`` in all): fresh device blocks, registered, and the host->device
-        copies that fill them. Returns (blocks added, copies per group)."""
-        n = len(tables[0]) if tables else 0
-        if not self.host_tier or n >= max_blocks:
-            return 0, []
-        bs = self.block_size
-        found, block_tokens = [], []
-        for j in range(n, max_blocks):
-            tokens = tuple(token_ids[j * bs : (j + 1) * bs])
-            row = [host.lookup(keys[j], None, tokens) for host in self.host_pools]
-            if None in row:
-                break
-            found.append(row)
-            block_tokens.append(tokens)
-        m = min(len(found), *(pool.num_free for pool in self.pools))
-        if not m:
-            return 0, []
-        copies: BlockPairs = []
-        for g, host in enumerate(self.host_pools):  # held first: no spill may take them
-            read = [row[g] for row in found[:m]]
-            for h in read:
-                host.take(h)
-            self._pinned.append((host, read))
-        for g, (pool, table) in enumerate(zip(self.pools, tables)):
-            fresh = pool.allocate(m)
-            pool.incref(fresh)
-            self._pinned.append((pool, fresh))
-            for j, d, tokens in zip(range(n, n + m), fresh, block_tokens):
-                parent = pool.ident(table[-1]) if table else None
-                table.append(d)
-                pool.register(d, keys[j], parent, tokens, keys[j - 1] if j else None)
-            copies.append([(row[g], d) for row, d in zip(found, fresh)])
-        self._moved["loaded"] += m
-        return m, copies
-
-    def take_tier_counts(self) -> dict[str, int]:
-        """Blocks the host tier stored, loaded and dropped since the last call."""
-        moved, self._moved = self._moved, dict.fromkeys(self._moved, 0)
-        return moved
+        lower = self.tiers.reset() if self.host_tier else 0
+        return lower + sum(pool.reset_cache() for pool in self.pools)
 
     @property
     def num_cached_host_blocks(self) -> int:
         return sum(p.num_cached for p in self.host_pools) if self.host_tier else 0
 
-    def end_step(self) -> None:
-        """The previous step's copies have run: the blocks they read or filled are let go."""
-        for pool, blocks in self._pinned:
-            pool.free(blocks)
-        self._pinned.clear()
+    @property
+    def num_cached_disk_blocks(self) -> int:
+        return sum(p.num_cached for p in self.tiers.disk_pools)
+
+    @property
+    def num_total_disk_blocks(self) -> int:
+        return sum(p.num_blocks for p in self.tiers.disk_pools)
 
     # -- context shift ------------------------------------------------------------------------
 
@@ -333,7 +254,7 @@ class KVCacheManager:
             copies.append(list(zip(host, table)))
             tables.append(table)
             # Read by this step's copies: free once they have run (``end_step``).
-            self._pinned.append((host_pool, list(host)))
+            self.tiers.pin(host_pool, list(host))
         for host in host_tables:
             host.clear()
         return tables, copies
@@ -375,7 +296,7 @@ class KVCacheManager:
         step's pinned blocks too: their copies hold them)."""
 
         def pinned(pool: BlockPool) -> list[list[int]]:
-            return [blocks for p, blocks in self._pinned if p is pool]
+            return [blocks for p, blocks in self.tiers.pinned if p is pool]
 
         for gi, m in enumerate(self.managers):
             tables = [t[gi] for t in live_tables if t] + pinned(m.pool)

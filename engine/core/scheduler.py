@@ -101,6 +101,8 @@ class SchedulerOutput:
     # are written only by the moves after them and by the forward pass.
     # Before them, the host tier's copies (``kv_manager``): evicted prefix blocks written down
     # (their device blocks may be refilled by any move after), then hits copied up.
+    # Before them, the disk tier's writes, reads and drops (``kv_tiers.DiskOp``), in order.
+    disk_ops: list[tuple] = field(default_factory=list)
     spills: BlockPairs = field(default_factory=list)  # per group: (device, host)
     loads: BlockPairs = field(default_factory=list)  # per group: (host, device)
     evictions: list[CacheEviction] = field(default_factory=list)
@@ -118,6 +120,7 @@ class SchedulerOutput:
     def has_cache_ops(self) -> bool:
         return (
             bool(self.evictions or self.shifts)
+            or bool(self.disk_ops)
             or any(self.spills)
             or any(self.loads)
             or any(self.copies)
@@ -136,6 +139,7 @@ class SchedulerEvents:
     prefix_queries: int = 0  # tokens looked up in the prefix cache at admission
     prefix_hits: int = 0  # of which found (in any tier)
     host_hits: int = 0  # of which found in the host tier
+    disk_hits: int = 0  # of which found in the disk tier
     evictions: Counter = field(default_factory=Counter)  # by policy
     evicted_tokens: Counter = field(default_factory=Counter)  # by policy
     drafted: int = 0  # speculative tokens verified
@@ -252,7 +256,7 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        self.kv.end_step()  # the last step's copies have run
+        self.kv.tiers.end_step()  # the last step's copies have run
         step = _Step(self.config.max_num_batched_tokens, len(self.kv.groups))
         i = 0
         while i < len(self.running) and step.budget > 0:
@@ -284,7 +288,8 @@ class Scheduler:
             # A recomputed or finished sequence's blocks are no longer its own to rotate.
             evictions=[e for e in self._evictions if self._status(e.request_id) in live],
             shifts=[s for s in self._shifts if self._status(s.request_id) in live],
-            spills=self.kv.take_spills(),
+            spills=self.kv.tiers.take_spills(),
+            disk_ops=self.kv.tiers.take_disk_ops(),
             loads=step.loads,
             copies=step.copies,
             swap_out=step.swap_out,
@@ -379,11 +384,14 @@ class Scheduler:
         hit = self.kv.take_prefix(req.block_tables, found)
         if hit or not found[0]:  # a device hit that could not be taken is not continued
             limit = (req.num_tokens - 1) // self.kv.block_size
-            loaded, copies = self.kv.load_prefix(req.block_tables, req.token_ids, keys, limit)
+            tiers = self.kv.tiers
+            loaded, from_disk, copies = tiers.load_prefix(req.block_tables, req.token_ids, keys,
+                                                          limit)  # fmt: skip
             for pairs, group_copies in zip(step.loads, copies):
                 pairs.extend(group_copies)
             hit += loaded * self.kv.block_size
-            self.events.host_hits += loaded * self.kv.block_size
+            self.events.host_hits += (loaded - from_disk) * self.kv.block_size
+            self.events.disk_hits += from_disk * self.kv.block_size
         return hit
 
     def _speculate(self, step: _Step) -> None:

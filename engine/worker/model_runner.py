@@ -12,6 +12,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import CacheShift, ScheduledRequest, SchedulerOutput
 from engine.worker.config import RunnerConfig
 from engine.worker.cuda_graphs import DecodeGraphs
+from engine.worker.disk_tier import DiskStore
 from engine.worker.eviction import evict
 from engine.worker.memory import dummy_lengths
 from engine.worker.sampler import Sampler, logprobs_of
@@ -89,6 +90,7 @@ class ModelRunner:
         # Per layer, importance scores beside the cache (``KVCacheGroup.scored``), or None.
         self.scores: list[torch.Tensor | None] | None = None
         self.host_scores: list[torch.Tensor | None] | None = None
+        self.disk: DiskStore | None = None  # the disk tier, over the host pool
         self.cache_config: CacheConfig | None = None
         if config.kv_dtype in QUANTIZED_KV and hasattr(self.model, "center_cached_keys"):
             self.model.center_cached_keys()  # a quantized row's scale then spans less
@@ -214,6 +216,8 @@ class ModelRunner:
         draft model's cache)."""
         device = (self.kv_caches, self.scores)
         host = (self.host_caches, self.host_scores)
+        if not draft and out.disk_ops:
+            self.disk.apply(out.disk_ops)  # first: a write reads a host block a spill refills
         if not draft:
             for ops, src, dst in ((out.spills, device, host), (out.loads, host, device)):
                 for group, pairs in zip(self.groups, ops):
