@@ -1,8 +1,8 @@
-"""Returning conversations with and without the host tier of the prefix cache, served.
+"""Returning conversations with and without the host and disk tiers of the prefix cache.
 
     python -m bench.tiers [--model smollm2-135m-instruct] [--users 4] [--rounds 4]
         [--system 512] [--history 1024] [--turn 64] [--answer 32] [--num-kv-blocks 48]
-        [--host-gib 0.25] [--repeat 1] [--out PREFIX]
+        [--host-gib 0.25] [--disk-host-gib 0.12] [--disk-gib 2] [--repeat 1] [--out PREFIX]
 
 LMCache's multi-round QA shape, scaled to a 2-core CPU: ``--users`` chat sessions share a
 system prompt of ``--system`` tokens, each has ``--history`` tokens of its own, and they take
@@ -11,14 +11,16 @@ question and answered in ``--answer`` tokens (the load tester's session workload
 bench --turns --session-history``), one user at a time. The device pool
 (``--num-kv-blocks``) is too small to keep every conversation, so by the time a user returns,
 the others have evicted its history. Each server runs alone, started fresh: kvserve without
-the tier, then with ``--kv-host-cache-gib``. Per server: median TTFT by round (round 1
-computes everything; later rounds recompute the history without the tier and copy it back from
-the host with it), the share of prompt tokens the prefix cache served, and then a pass with no
-reuse at all (distinct prompts, one turn each, 4 at a time) for the throughput the tier costs
-when nothing comes back. The host tier's blocks are read from /metrics at the end of each run,
-with its capacity: the bound holds if the first never exceeds the second. ``--repeat N`` runs
-both servers in turn N times and reports each figure's median (the box's speed moves from
-minute to minute).
+the tier, then with ``--kv-host-cache-gib``, then with a host tier too small for the
+conversations (``--disk-host-gib``) over a disk tier (``--disk-gib``, a fresh folder under
+``--log-dir``), so that returning conversations come back from disk. Per server: median TTFT
+by round (round 1 computes everything; later rounds recompute the history without a tier and
+copy it back up with one), the share of prompt tokens the prefix cache served, and then a
+pass with no reuse at all (distinct prompts, one turn each, 4 at a time) for the throughput a
+tier costs when nothing comes back. Each tier's blocks are read from /metrics at the end of
+each run, with its capacity: the bound holds if the first never exceeds the second.
+``--repeat N`` runs the servers in turn N times and reports each figure's median (the box's
+speed moves from minute to minute).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
 from datetime import datetime, timezone
@@ -82,6 +85,9 @@ def run(args, name: str, extra: list[str], log_dir: Path) -> dict:
         host_blocks=samples.get("kvserve:kv_host_cache_blocks"),
         host_capacity=samples.get("kvserve:kv_host_capacity_blocks"),
         host_hits=samples.get("kvserve:prefix_cache_host_hits_total"),
+        disk_blocks=samples.get("kvserve:kv_disk_cache_blocks"),
+        disk_capacity=samples.get("kvserve:kv_disk_capacity_blocks"),
+        disk_hits=samples.get("kvserve:prefix_cache_disk_hits_total"),
     )  # fmt: skip
 
 
@@ -99,7 +105,8 @@ def medians(runs: list[dict]) -> dict:
             "failed": sum(r["failed"] for r in runs),
             "no_reuse_tok_s": statistics.median(r["no_reuse_tok_s"] for r in runs),
             "no_reuse_tok_s_each": [r["no_reuse_tok_s"] for r in runs],
-            "host_blocks": max((r["host_blocks"] or 0) for r in runs)}  # fmt: skip
+            "host_blocks": max((r["host_blocks"] or 0) for r in runs),
+            "disk_blocks": max((r["disk_blocks"] or 0) for r in runs)}  # fmt: skip
 
 
 def table(results: dict) -> str:
@@ -115,15 +122,20 @@ def table(results: dict) -> str:
             cached = "–" if row["cached"] is None else f"{row['cached']:.0%}"
             lines.append(f"| {name} | {row['round']} | {row['ttft_ms']:.0f} "
                          f"| {ratio:.2f}x | {cached} |")  # fmt: skip
-    lines += ["", "| server | no reuse: output tok/s | vs no tier | host blocks / capacity |",
-              "|---|---|---|---|"]  # fmt: skip
+    lines += ["", "| server | no reuse: output tok/s | vs no tier | host blocks / capacity "
+              "| disk blocks / capacity |", "|---|---|---|---|---|"]  # fmt: skip
     for name, r in results.items():
         if "error" in r:
             continue
         ratio = r["no_reuse_tok_s"] / off["no_reuse_tok_s"] if off.get("no_reuse_tok_s") else 1
-        host = "–" if r["host_capacity"] is None else (
-            f"{r['host_blocks']:.0f} / {r['host_capacity']:.0f}")  # fmt: skip
-        lines.append(f"| {name} | {r['no_reuse_tok_s']:.1f} | {ratio:.2f}x | {host} |")
+        tiers = [
+            "–"
+            if r[f"{t}_capacity"] is None
+            else f"{r[f'{t}_blocks']:.0f} / {r[f'{t}_capacity']:.0f}"
+            for t in ("host", "disk")
+        ]
+        lines.append(f"| {name} | {r['no_reuse_tok_s']:.1f} | {ratio:.2f}x | {tiers[0]} "
+                     f"| {tiers[1]} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -147,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answer", type=int, default=32, help="answer tokens per turn")
     parser.add_argument("--num-kv-blocks", type=int, default=48)
     parser.add_argument("--host-gib", type=float, default=0.25)
+    parser.add_argument("--disk-host-gib", type=float, default=0.12,
+                        help="the host tier above the disk tier")  # fmt: skip
+    parser.add_argument("--disk-gib", type=float, default=2.0)
     parser.add_argument("--repeat", type=int, default=1, help="runs of both servers, in turn")
     parser.add_argument("--log-dir", default="/tmp/kvserve-tiers")
     parser.add_argument("--out", help="write PREFIX.md and PREFIX.json")
@@ -154,10 +169,17 @@ def main(argv: list[str] | None = None) -> int:
     args.model_dir = resolve_model(args.model)
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    servers = {"off": [], "host": ["--kv-host-cache-gib", str(args.host_gib)]}
+    disk = log_dir / "disk-tier"
+    servers = {
+        "off": [],
+        "host": ["--kv-host-cache-gib", str(args.host_gib)],
+        "disk": ["--kv-host-cache-gib", str(args.disk_host_gib), "--kv-disk-cache-dir",
+                 str(disk), "--kv-disk-cache-gib", str(args.disk_gib)],
+    }  # fmt: skip
     runs: dict[str, list[dict]] = {name: [] for name in servers}
-    for _ in range(args.repeat):  # the servers in turn: a slow minute hits both
+    for _ in range(args.repeat):  # the servers in turn: a slow minute hits each
         for name, extra in servers.items():
+            shutil.rmtree(disk, ignore_errors=True)  # a fresh disk tier for each run
             runs[name].append(run(args, name, extra, log_dir))
             print(f"{name}: {runs[name][-1]}", flush=True)
     results = {name: medians(r) for name, r in runs.items()}
@@ -168,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             f"command: python -m bench.tiers {' '.join(words)}")  # fmt: skip
     print(f"\n{head}\n\n{text}")
     if args.out:
-        Path(f"{args.out}.md").write_text(f"# Returning conversations and the host tier\n\n"
+        Path(f"{args.out}.md").write_text(f"# Returning conversations and the KV tiers\n\n"
                                           f"{head}\n\n{text}\n")  # fmt: skip
         Path(f"{args.out}.json").write_text(json.dumps(results, indent=1) + "\n")
     return int(any("error" in r or r["failed"] for r in results.values()))
