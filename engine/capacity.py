@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from engine.args import auto_kv_dtype
 from engine.core.config import GIB, CacheConfig, split_memory
+from engine.worker.disk_tier import file_overhead
 from models.config import ModelConfig
 from models.fetch import resolve_model
 from models.kv_spec import MLASpec
@@ -56,9 +57,12 @@ def format_capacity(cache: CacheConfig, max_model_len: int) -> str:
             f"{r.kind:<32} {r.dtype:>9} {r.num_layers:>6} {r.bytes_per_token:>12,} "
             f"{r.num_blocks:>8} {r.tokens:>10,} {r.max_seqs_at_full_len:>10}"
         )
-    if cache.host_tier:  # the host pools (swap shares them), in host memory
-        for g, n in zip(cache.groups, cache.num_host_blocks):
-            kind = f"{type(g.spec).__name__} (host tier)"
+    # The lower tiers: host memory (the swap pool shares it), then disk files.
+    tiers = [("host tier", cache.num_host_blocks if cache.host_tier else ()),
+             ("disk tier", cache.num_disk_blocks)]  # fmt: skip
+    for name, blocks in tiers:
+        for g, n in zip(cache.groups, blocks):
+            kind = f"{type(g.spec).__name__} ({name})"
             lines.append(
                 f"{kind:<32} {g.spec.dtype:>9} {len(g.layer_ids):>6} {g.bytes_per_token:>12,} "
                 f"{n:>8} {n * cache.block_size:>10,} {'':>10}"
@@ -103,6 +107,7 @@ def make_plan(
     quantization: str | None = None,
     kv_cache_dtype: str | None = None,
     kv_host_cache_gib: float = 0.0,
+    kv_disk_cache_gib: float = 0.0,
 ) -> Plan:
     """With tensor parallelism, one rank's plan: its share of the KV heads in its memory (for
     MLA, the whole latent cache: every rank holds it)."""
@@ -115,7 +120,11 @@ def make_plan(
     blocks = split_memory(groups, memory, block_size, max_len)
     tier = kv_host_cache_gib > 0
     host = split_memory(groups, int(kv_host_cache_gib * GIB), block_size, max_len) if tier else ()
-    cache = CacheConfig(groups, block_size, blocks, host, prefix_caching=tier, host_tier=tier)
+    disk = ()
+    if tier and kv_disk_cache_gib > 0:  # its files: the blocks and a header each
+        disk_bytes = int(kv_disk_cache_gib * GIB)
+        disk = split_memory(groups, disk_bytes, block_size, max_len, file_overhead(block_size))
+    cache = CacheConfig(groups, block_size, blocks, host, tier, tier, disk)
     weights = stored_weight_bytes(cfg, 4 if weight_dtype == "float32" else 2, quantization)
     return Plan(cfg, kv_dtype, memory, max_len, cache, tensor_parallel_size, weights)
 

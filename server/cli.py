@@ -26,7 +26,7 @@ log = logging.getLogger("kvserve")
 
 PLAN_SETTINGS = (
     "model", "kv_cache_memory_gib", "max_model_len", "block_size", "dtype", "tensor_parallel_size",
-    "quantization", "kv_cache_dtype", "kv_host_cache_gib",
+    "quantization", "kv_cache_dtype", "kv_host_cache_gib", "kv_disk_cache_gib",
 )  # fmt: skip
 
 
@@ -165,6 +165,7 @@ def plan(args: EngineArgs) -> int:
         args.model, args.kv_cache_memory_gib, args.max_model_len, args.block_size, args.dtype,
         args.tensor_parallel_size, quantization=args.quantization,
         kv_cache_dtype=args.kv_dtype(args.dtype), kv_host_cache_gib=args.kv_host_cache_gib,
+        kv_disk_cache_gib=args.kv_disk_cache_gib,
     )  # fmt: skip
     print(format_plan(result))
     return 0

@@ -274,3 +274,17 @@ def test_the_host_tier_has_its_own_rows(llama_dir, capsys):
     device_blocks, host_blocks = int(device.split()[4]), int(host.split()[6])
     assert abs(host_blocks - 2 * device_blocks) <= 2  # each rounded down
     assert int(host.split()[7].replace(",", "")) == host_blocks * 16
+
+
+def test_the_disk_tier_has_its_own_rows(llama_dir, capsys):
+    """--kv-disk-cache-gib under a host tier: files of a block and a header each, no more of
+    them than the bound holds."""
+    from engine.worker.disk_tier import file_overhead
+
+    assert main(["--model", str(llama_dir), "--kv-cache-memory", "1", "--dtype", "float32",
+                 "--kv-host-cache-gib", "1", "--kv-disk-cache-gib", "4"]) == 0  # fmt: skip
+    out = capsys.readouterr().out.splitlines()
+    (disk,) = [line for line in out if line.startswith("FullAttentionSpec (disk tier)")]
+    bytes_per_token, blocks = int(disk.split()[5].replace(",", "")), int(disk.split()[6])
+    file_bytes = bytes_per_token * 16 + file_overhead(16)
+    assert blocks * file_bytes <= 4 * 2**30 < (blocks + 1) * file_bytes
