@@ -234,7 +234,8 @@ class LLMEngine:
         c = runner.config
         dtypes = f"{c.dtype}/{c.kv_dtype}/{c.quantization or 'file'}"
         identity = fingerprint(str(self.model_path), dtypes, config.block_size, list(config.groups))
-        store = DiskStore(args.kv_disk_cache_dir, identity, list(config.groups), runner.host_caches)
+        store = DiskStore(args.kv_disk_cache_dir, identity, list(config.groups),
+                          runner.host_caches, runner.kv_caches)  # fmt: skip
         runner.disk = store
         entries, skipped = store.scan()
         loaded = self.kv.tiers.seed_disk(entries)

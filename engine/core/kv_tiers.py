@@ -10,8 +10,8 @@ the host tier, then on disk, copied up into fresh device blocks that are registe
 disk block through a host block, which keeps it).
 
 The moves are plain data for the runner, run before everything else of the step: first the
-disk operations in the order decided (``disk_ops``: a write reads a host block before a later
-move refills it, a read fills the host block a load copies up), then the device->host copies
+disk operations in the order decided (``disk_ops``: a write reads a block before a later move
+refills it, a read fills the host block a load copies up), then the device->host copies
 (``take_spills``), then the host->device copies of the loads. The blocks they read or fill stay
 held until the next step begins (``end_step``), so that nothing in the same step reuses them.
 """
@@ -25,8 +25,9 @@ from engine.core.config import CacheConfig
 from engine.core.kv_events import HOST, STORAGE, EventLog
 
 BlockPairs = list[list[tuple[int, int]]]  # per group: (from block, to block)
-# ("write", group, host block, key, token ids) | ("read", group, key, host block)
-# | ("drop", group, key)
+# ("write", group, (tier, block), key, token ids): the block's contents from the host pool or,
+# spilled in the same step, from the device pool; ("read", group, key, host block);
+# ("drop", group, key)
 DiskOp = tuple
 
 
@@ -43,6 +44,7 @@ class Tiers:
         self.pools, self.host_pools = pools, host_pools
         self.disk_pools = [BlockPool(n) for n in config.num_disk_blocks]
         self.spills: BlockPairs = [[] for _ in pools]
+        self.pending: list[dict[int, int]] = [{} for _ in pools]  # host block -> device block
         self.disk_ops: list[DiskOp] = []
         self.pinned: list[tuple[BlockPool, list[int]]] = []
         self.moved = {
@@ -53,9 +55,9 @@ class Tiers:
         for g, (pool, host) in enumerate(zip(pools, host_pools)):
             host.events, host.group, host.medium = events, g, HOST
             pool.on_evict = functools.partial(self._spill, g)
-        for g, (host, disk) in enumerate(zip(host_pools, self.disk_pools)):
+            host.on_evict = functools.partial(self._host_evicted, g)
+        for g, disk in enumerate(self.disk_pools):
             disk.events, disk.group, disk.medium = events, g, STORAGE
-            host.on_evict = functools.partial(self._write_down, g)
             disk.on_evict = functools.partial(self._drop, g)
 
     def pin(self, pool: BlockPool, blocks: list[int]) -> None:
@@ -80,11 +82,19 @@ class Tiers:
             return
         (h,) = host.allocate(1)
         host.register(h, key, None, tokens)
-        self.pin(host, [h])  # filled by this step's copy: not handed out again before it runs
+        host.free([h])  # cached, the most recently used
         self.spills[group].append((block, h))
+        self.pending[group][h] = block
         self.moved["host"]["stored"] += 1
 
-    def _write_down(self, group: int, block: int, entry: tuple) -> None:
+    def _host_evicted(self, group: int, block: int, entry: tuple) -> None:
+        """A host block handed out again: its contents go to disk (where there is a disk tier),
+        from wherever they are when the disk operations run."""
+        source = self._source(group, block)
+        if self.disk_pools:
+            self._write_down(group, source, entry)
+
+    def _write_down(self, group: int, source: tuple[str, int], entry: tuple) -> None:
         key, _, tokens = entry
         disk = self.disk_pools[group]
         if disk.lookup(key, None, tokens) is not None:
@@ -95,8 +105,19 @@ class Tiers:
         (d,) = disk.allocate(1)
         disk.register(d, key, None, tokens)
         disk.free([d])
-        self.disk_ops.append(("write", group, block, key, tokens))
+        self.disk_ops.append(("write", group, source, key, tokens))
         self.moved["disk"]["stored"] += 1
+
+    def _source(self, group: int, host_block: int) -> tuple[str, int]:
+        """Where a host block's contents are when the disk operations run: a block spilled in
+        this step is still only on the device (whose block the step refills after them), and
+        its spill is called off (a host block is the target of one copy a step: copies to one
+        block land in no set order)."""
+        device = self.pending[group].pop(host_block, None)
+        if device is None:
+            return ("host", host_block)
+        self.spills[group].remove((device, host_block))
+        return ("device", device)
 
     def _drop(self, group: int, block: int, entry: tuple) -> None:
         self.disk_ops.append(("drop", group, entry[0]))
@@ -104,6 +125,7 @@ class Tiers:
     def take_spills(self) -> BlockPairs:
         """The device->host copies decided since the last call, per group."""
         spills, self.spills = self.spills, [[] for _ in self.pools]
+        self.pending = [{} for _ in self.pools]
         return spills
 
     def take_disk_ops(self) -> list[DiskOp]:
@@ -113,18 +135,21 @@ class Tiers:
 
     def seed_disk(self, entries: list[tuple[int, bytes, tuple[int, ...]]]) -> int:
         """Blocks a disk tier holds from an earlier run, (group, key, token ids) least recently
-        used first, made findable while there is room; returns how many."""
-        n = 0
-        for group, key, tokens in entries:
+        used first, made findable: the most recent that the bound holds (the others' files are
+        dropped at the next step). Returns how many."""
+        kept, room = [], [pool.num_blocks for pool in self.disk_pools]
+        for group, key, tokens in reversed(entries):
+            if room[group]:
+                kept.append((group, key, tokens))
+                room[group] -= 1
+            else:
+                self.disk_ops.append(("drop", group, key))
+        for group, key, tokens in reversed(kept):  # the oldest freed first: evicted first
             disk = self.disk_pools[group]
-            if not disk.num_free or disk.lookup(key, None, tokens) is not None:
-                continue
             (d,) = disk.allocate(1)
             disk.register(d, key, None, tokens)
             disk.free([d])
-            n += 1
-        self.disk_ops.clear()  # nothing was evicted: the pools were empty
-        return n
+        return len(kept)
 
     def reset(self) -> int:
         """Forget every block of the lower tiers (the disk tier's files go too)."""

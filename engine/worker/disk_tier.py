@@ -55,15 +55,22 @@ def fingerprint(model: str, dtype: str, block_size: int, groups: list[KVCacheGro
 
 class DiskStore:
     def __init__(
-        self, folder: str | Path, identity: dict, groups: list[KVCacheGroup], host: Caches
+        self,
+        folder: str | Path,
+        identity: dict,
+        groups: list[KVCacheGroup],
+        host: Caches,
+        device: Caches,
     ):
-        """``host``: the host pool's caches, the blocks' way up and down."""
-        self.identity, self.groups, self.host = identity, groups, host
+        """``host``: the host pool's caches, the blocks' way up and down; ``device``: the
+        device pool's, which a block spilled and written down in one step is read from."""
+        self.identity, self.groups = identity, groups
+        self.caches = {"host": host, "device": device}
         name = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
         self.root = Path(folder) / name
         self.root.mkdir(parents=True, exist_ok=True)
         # Each group's payload: its tensors of a block (all blocks are alike).
-        self.payload_bytes = [sum(t.numel() for t in self._tensors(g, 0))
+        self.payload_bytes = [sum(t.numel() for t in self._tensors(g, ("host", 0)))
                               for g in range(len(groups))]  # fmt: skip
 
     def _path(self, group: int, key: bytes) -> Path:
@@ -111,8 +118,8 @@ class DiskStore:
         """Carry out the step's disk operations in order."""
         for op in ops:
             if op[0] == "write":
-                _, group, block, key, tokens = op
-                payload = torch.cat(self._tensors(group, block)).numpy().tobytes()
+                _, group, source, key, tokens = op
+                payload = torch.cat(self._tensors(group, source)).cpu().numpy().tobytes()
                 self._write(group, key, tokens, payload)
             elif op[0] == "read":
                 _, group, key, block = op
@@ -120,11 +127,12 @@ class DiskStore:
             else:
                 self._path(op[1], op[2]).unlink(missing_ok=True)
 
-    def _tensors(self, group: int, block: int) -> list[torch.Tensor]:
-        """The block's tensors of every layer of the group, as bytes."""
+    def _tensors(self, group: int, source: tuple[str, int]) -> list[torch.Tensor]:
+        """A block's tensors of every layer of the group, as bytes: (tier, block)."""
+        caches, block = self.caches[source[0]], source[1]
         out = []
         for layer in self.groups[group].layer_ids:
-            k, v = self.host[layer]
+            k, v = caches[layer]
             shared = v.data_ptr() == k.data_ptr()  # MLA: the values are the latent part of K
             for t in (k,) if shared else (k, v):
                 out.append(t[block].view(torch.uint8).reshape(-1))
@@ -148,7 +156,7 @@ class DiskStore:
             raise OSError(f"disk KV tier: the block file of {key.hex()} changed on disk")
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         offset = 0
-        for t in self._tensors(group, block):
+        for t in self._tensors(group, ("host", block)):
             t.copy_(data[offset : offset + t.numel()])
             offset += t.numel()
 
