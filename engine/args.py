@@ -124,6 +124,12 @@ class EngineArgs:
         flag="--kv-host-cache-gib",
         metavar="GIB",
     )
+    kv_tier_write_through: bool = setting(
+        False,
+        "copy each prefix block to the host tier as soon as it is computed (SGLang's "
+        "write_through), not when the device pool evicts it; needs --kv-host-cache-gib",
+        flag="--kv-tier-write-through",
+    )
     kv_disk_cache_dir: str | None = setting(
         None,
         "a folder for prefix blocks the host tier evicts (files that outlive a restart, in a "

@@ -206,8 +206,10 @@ class LLMEngine:
         if self._disk_tier_checked(tier):
             disk = split_memory(groups, int(args.kv_disk_cache_gib * GIB), args.block_size,
                                 max_len, file_overhead(args.block_size))  # fmt: skip
+        if args.kv_tier_write_through and not tier:
+            raise ValueError("--kv-tier-write-through needs --kv-host-cache-gib")
         return CacheConfig(groups, args.block_size, blocks, host, args.enable_prefix_caching, tier,
-                           disk)  # fmt: skip
+                           disk, args.kv_tier_write_through)  # fmt: skip
 
     def _disk_tier_checked(self, host_tier: bool) -> bool:
         """Whether the disk tier is asked for; raises if its flags do not go together."""

@@ -46,6 +46,8 @@ class BlockPool:
         # Called with (block, its cache entry) before a cached block is handed out again (the
         # KV manager writes it down to a lower tier).
         self.on_evict: Callable[[int, tuple[bytes, Parent, tuple[int, ...]]], None] | None = None
+        # Called with (block, its cache entry) once a block is registered (write-through).
+        self.on_register: Callable[[int, tuple[bytes, Parent, tuple[int, ...]]], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -113,6 +115,8 @@ class BlockPool:
         self.entry[block] = (key, parent, token_ids)
         if self.events is not None:
             self.events.stored(key, parent_key, token_ids, self.group, self.medium)
+        if self.on_register is not None:
+            self.on_register(block, self.entry[block])
 
     def lookup(self, key: bytes, parent: Parent, token_ids: tuple[int, ...]) -> int | None:
         """The cached block for ``key`` if it holds ``token_ids`` after ``parent``."""

@@ -35,6 +35,8 @@ class CacheConfig:
     host_tier: bool = False
     # Under the host tier, a disk tier of this many blocks per group (``kv_tiers``).
     num_disk_blocks: tuple[int, ...] = ()
+    # Prefix blocks copied to the host tier once computed, not when the device evicts them.
+    write_through: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(self.groups))
@@ -48,6 +50,8 @@ class CacheConfig:
             self.host_tier and len(self.num_disk_blocks) == len(self.groups)
         ):
             raise ValueError("a disk tier needs a host tier and one pool size per group")
+        if self.write_through and not self.host_tier:
+            raise ValueError("write-through needs a host tier")
 
     def bytes_per_block(self, group: KVCacheGroup) -> int:
         return group.bytes_per_token * self.block_size

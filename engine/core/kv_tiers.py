@@ -5,9 +5,11 @@ the same keys and token ids as on the device (their parent is not tracked there:
 block is found by key and verified by its tokens alone). Write-back: a registered block that a
 pool hands out again is first written one tier down (device -> host -> disk), unless that tier
 has it already; the least recently used block of that tier makes room, and the disk tier drops
-its file. A request's prefix hit continues where the device pool's ends with blocks found in
-the host tier, then on disk, copied up into fresh device blocks that are registered at once (a
-disk block through a host block, which keeps it).
+its file. Write-through (``CacheConfig.write_through``): a device block goes down to the host
+tier as soon as it is registered (computed), and is found there when the device evicts it. A
+request's prefix hit continues where the device pool's ends with blocks found in the host
+tier, then on disk, copied up into fresh device blocks that are registered at once (a disk
+block through a host block, which keeps it).
 
 The moves are plain data for the runner, run before everything else of the step: first the
 disk operations in the order decided (``disk_ops``: a write reads a block before a later move
@@ -55,6 +57,8 @@ class Tiers:
         for g, (pool, host) in enumerate(zip(pools, host_pools)):
             host.events, host.group, host.medium = events, g, HOST
             pool.on_evict = functools.partial(self._spill, g)
+            if config.write_through:  # once computed: registered after the step's forward
+                pool.on_register = functools.partial(self._spill, g)
             host.on_evict = functools.partial(self._host_evicted, g)
         for g, disk in enumerate(self.disk_pools):
             disk.events, disk.group, disk.medium = events, g, STORAGE

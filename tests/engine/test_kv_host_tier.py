@@ -101,3 +101,17 @@ def test_the_tier_resets_with_the_cache_and_is_refused_without_prefix_caching(ti
     assert llm.engine.kv.num_cached_host_blocks == 0
     with pytest.raises(ValueError, match="needs prefix caching"):
         engine(tiny_llama_dir, True, enable_prefix_caching=False)
+
+
+def test_write_through_copies_blocks_down_once_computed_with_the_same_tokens(tiny_llama_dir):
+    """With a device pool large enough to evict nothing, write-through still fills the host
+    tier (write-back leaves it empty); returning prompts get the same tokens either way."""
+    plain = conversation_rounds(engine(tiny_llama_dir, False, num_kv_blocks=64))
+    for through in (False, True):
+        llm = engine(tiny_llama_dir, True, num_kv_blocks=64, kv_tier_write_through=through)
+        outs = conversation_rounds(llm)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+        stored = counter(llm, "kvserve:kv_host_tier_blocks_total", direction="stored")
+        assert (stored >= 4 * 5) if through else stored == 0
+    with pytest.raises(ValueError, match="needs --kv-host-cache-gib"):
+        engine(tiny_llama_dir, False, kv_tier_write_through=True)
