@@ -20,7 +20,8 @@ from tests.helpers import random_prompt, save_tiny_llama
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-HOST_GIB = 0.00006  # 7 blocks of the tiny model: less than four conversations of 5 blocks
+# A few blocks of the tiny model (3 to 7), fewer than four conversations of 5 blocks take.
+HOST_GIB = {"float32": 6e-5, "int8": 1.6e-5, "int4": 9e-6}
 DISK_GIB = 0.01
 
 
@@ -32,9 +33,8 @@ def tiny_llama_dir(tmp_path_factory):
 
 
 def engine(path, disk: Path | None, **kw) -> LLM:
-    tiers = dict(
-        kv_host_cache_gib=HOST_GIB, kv_disk_cache_dir=str(disk), kv_disk_cache_gib=DISK_GIB
-    )
+    host = HOST_GIB[kw.get("kv_cache_dtype", "float32")]
+    tiers = dict(kv_host_cache_gib=host, kv_disk_cache_dir=str(disk), kv_disk_cache_gib=DISK_GIB)
     return LLM(str(path), num_kv_blocks=16, block_size=BS, **(tiers if disk else {}), **kw)
 
 
@@ -69,8 +69,10 @@ def plain(tiny_llama_dir):
     return tokens(conversation_rounds(engine(tiny_llama_dir, None)))
 
 
-def test_blocks_go_to_disk_and_come_back_with_the_same_tokens(tiny_llama_dir, plain, tmp_path):
-    llm = engine(tiny_llama_dir, tmp_path)
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8", "int4"])
+def test_blocks_go_to_disk_and_come_back_with_the_same_tokens(tiny_llama_dir, tmp_path, kv_dtype):
+    plain = tokens(conversation_rounds(engine(tiny_llama_dir, None, kv_cache_dtype=kv_dtype)))
+    llm = engine(tiny_llama_dir, tmp_path, kv_cache_dtype=kv_dtype)
     assert tokens(conversation_rounds(llm)) == plain
     hits = counter(llm, "kvserve:prefix_cache_disk_hits_total")
     loaded = counter(llm, "kvserve:kv_disk_tier_blocks_total", direction="loaded")
