@@ -76,20 +76,27 @@ class Tiers:
 
     # -- writing down -----------------------------------------------------------------------
 
+    def _store_below(self, tier: str, pool: BlockPool, key: bytes, tokens: tuple) -> int | None:
+        """A block of the lower tier's ``pool`` registered under ``key`` and cached (the most
+        recently used), its least recently used block making room; None when it has the key
+        already or cannot take it (every block held)."""
+        if pool.lookup(key, None, tokens) is not None:
+            return None
+        if not pool.num_free:
+            self.moved[tier]["dropped"] += 1
+            return None
+        (b,) = pool.allocate(1)
+        pool.register(b, key, None, tokens)
+        pool.free([b])
+        self.moved[tier]["stored"] += 1
+        return b
+
     def _spill(self, group: int, block: int, entry: tuple) -> None:
         key, _, tokens = entry
-        host = self.host_pools[group]
-        if host.lookup(key, None, tokens) is not None:
-            return
-        if not host.num_free:
-            self.moved["host"]["dropped"] += 1
-            return
-        (h,) = host.allocate(1)
-        host.register(h, key, None, tokens)
-        host.free([h])  # cached, the most recently used
-        self.spills[group].append((block, h))
-        self.pending[group][h] = block
-        self.moved["host"]["stored"] += 1
+        h = self._store_below("host", self.host_pools[group], key, tokens)
+        if h is not None:
+            self.spills[group].append((block, h))
+            self.pending[group][h] = block
 
     def _host_evicted(self, group: int, block: int, entry: tuple) -> None:
         """A host block handed out again: its contents go to disk (where there is a disk tier),
@@ -100,17 +107,8 @@ class Tiers:
 
     def _write_down(self, group: int, source: tuple[str, int], entry: tuple) -> None:
         key, _, tokens = entry
-        disk = self.disk_pools[group]
-        if disk.lookup(key, None, tokens) is not None:
-            return
-        if not disk.num_free:
-            self.moved["disk"]["dropped"] += 1
-            return
-        (d,) = disk.allocate(1)
-        disk.register(d, key, None, tokens)
-        disk.free([d])
-        self.disk_ops.append(("write", group, source, key, tokens))
-        self.moved["disk"]["stored"] += 1
+        if self._store_below("disk", self.disk_pools[group], key, tokens) is not None:
+            self.disk_ops.append(("write", group, source, key, tokens))
 
     def _source(self, group: int, host_block: int) -> tuple[str, int]:
         """Where a host block's contents are when the disk operations run: a block spilled in
