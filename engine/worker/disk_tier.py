@@ -99,7 +99,7 @@ class DiskStore:
 
     def _check(self, path: Path) -> tuple[int, bytes, tuple[int, ...]] | None:
         try:
-            header, payload = _split(path.read_bytes())
+            header, payload = split_file(path.read_bytes())
             group, key = header["group"], bytes.fromhex(header["key"])
             ok = (
                 header["fingerprint"] == self.identity
@@ -151,7 +151,7 @@ class DiskStore:
         os.replace(tmp, path)
 
     def _read(self, group: int, key: bytes, block: int) -> None:
-        header, payload = _split(self._path(group, key).read_bytes())
+        header, payload = split_file(self._path(group, key).read_bytes())
         if len(payload) != header["payload"] or zlib.crc32(payload) != header["crc32"]:
             raise OSError(f"disk KV tier: the block file of {key.hex()} changed on disk")
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
@@ -161,7 +161,7 @@ class DiskStore:
             offset += t.numel()
 
 
-def _split(raw: bytes) -> tuple[dict, bytes]:
+def split_file(raw: bytes) -> tuple[dict, bytes]:
     """A file's header and payload; ValueError if it does not start as a block file does."""
     if not raw.startswith(MAGIC) or len(raw) < len(MAGIC) + 4:
         raise ValueError("not a block file")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.worker.disk_tier import MAGIC, SUFFIX
+from engine.worker.disk_tier import MAGIC, SUFFIX, split_file
 from tests.helpers import random_prompt, save_tiny_llama
 
 BS = 16
@@ -165,3 +165,43 @@ def test_the_folder_is_named_for_what_its_blocks_belong_to(tiny_llama_dir, tmp_p
     folders = {f.parent for f in block_files(tmp_path)}
     assert len(folders) == 2
     assert os.path.commonpath(list(folders)) == str(tmp_path)
+
+
+def test_an_mla_cache_goes_to_disk_once_per_row(tmp_path_factory, tmp_path):
+    """DeepSeek's latent cache: the values are the latent part of each key row, written once."""
+    from tests.helpers import save_tiny_deepseek_v3
+
+    path = tmp_path_factory.mktemp("tiny-deepseek-disk")
+    save_tiny_deepseek_v3(path)
+    kw = dict(num_kv_blocks=16, block_size=BS)
+    plain = tokens(conversation_rounds(LLM(str(path), **kw)))
+    tiers = dict(kv_host_cache_gib=2e-5, kv_disk_cache_dir=str(tmp_path), kv_disk_cache_gib=0.01)
+    llm = LLM(str(path), **kw, **tiers)
+    assert tokens(conversation_rounds(llm)) == plain
+    assert counter(llm, "kvserve:prefix_cache_disk_hits_total") > 0
+    (group,) = llm.engine.cache_config.groups
+    payloads = {len(split_file(f.read_bytes())[1]) for f in block_files(tmp_path)}
+    assert payloads == {BS * group.bytes_per_token}  # a latent row once, not as K and as V
+
+
+@pytest.mark.parametrize("case", ["swap", "shift"])
+def test_preemption_and_shift_give_the_same_tokens(tiny_llama_dir, tmp_path, case):
+    """Swap shares the host pool the disk tier writes down from; a shift re-rotates blocks
+    the tiers may hold copies of."""
+    if case == "swap":
+        prompts = [random_prompt(3 * BS + 5, 128, seed) for seed in range(6)]
+        prompts += [p + random_prompt(9, 128, 90 + i) for i, p in enumerate(prompts[:3])]
+        kw = dict(num_kv_blocks=12, preemption_mode="swap", swap_space_gib=0.0001)
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    else:
+        prompts = [random_prompt(40, 128, seed) for seed in range(3)] * 2
+        kw = dict(num_kv_blocks=10, max_model_len=96, context_overflow="shift")
+        params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
+    runs = []
+    for disk in (None, tmp_path):
+        llm = LLM(str(tiny_llama_dir), block_size=BS, **kw, **(dict(
+            kv_host_cache_gib=HOST_GIB["float32"], kv_disk_cache_dir=str(disk),
+            kv_disk_cache_gib=DISK_GIB) if disk else {}))  # fmt: skip
+        runs.append([llm.generate([p], params)[0].outputs[0].token_ids for p in prompts])
+    assert runs[1] == runs[0]
+    assert block_files(tmp_path)
