@@ -21,7 +21,8 @@ from tests.helpers import random_prompt, save_tiny_llama
 BS = 16
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 # A few blocks of the tiny model (3 to 7), fewer than four conversations of 5 blocks take.
-HOST_GIB = {"float32": 6e-5, "int8": 1.6e-5, "int4": 9e-6}
+HOST_GIB = {"float32": 6e-5, "bfloat16": 3e-5, "float16": 3e-5, "int8": 1.6e-5,
+            "fp8_e4m3": 1.6e-5, "int4": 9e-6}  # fmt: skip
 DISK_GIB = 0.01
 
 
@@ -69,7 +70,7 @@ def plain(tiny_llama_dir):
     return tokens(conversation_rounds(engine(tiny_llama_dir, None)))
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", list(HOST_GIB))
 def test_blocks_go_to_disk_and_come_back_with_the_same_tokens(tiny_llama_dir, tmp_path, kv_dtype):
     plain = tokens(conversation_rounds(engine(tiny_llama_dir, None, kv_cache_dtype=kv_dtype)))
     llm = engine(tiny_llama_dir, tmp_path, kv_cache_dtype=kv_dtype)
