@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from engine.args import auto_kv_dtype
 from engine.core.config import GIB, CacheConfig, split_memory
-from engine.worker.disk_tier import file_overhead
+from engine.worker.disk_tier import disk_pool_sizes
 from models.config import ModelConfig
 from models.fetch import resolve_model
 from models.kv_spec import MLASpec
@@ -121,9 +121,8 @@ def make_plan(
     tier = kv_host_cache_gib > 0
     host = split_memory(groups, int(kv_host_cache_gib * GIB), block_size, max_len) if tier else ()
     disk = ()
-    if tier and kv_disk_cache_gib > 0:  # its files: the blocks and a header each
-        disk_bytes = int(kv_disk_cache_gib * GIB)
-        disk = split_memory(groups, disk_bytes, block_size, max_len, file_overhead(block_size))
+    if tier and kv_disk_cache_gib > 0:
+        disk = disk_pool_sizes(groups, kv_disk_cache_gib, block_size, max_len)
     cache = CacheConfig(groups, block_size, blocks, host, tier, tier, disk)
     weights = stored_weight_bytes(cfg, 4 if weight_dtype == "float32" else 2, quantization)
     return Plan(cfg, kv_dtype, memory, max_len, cache, tensor_parallel_size, weights)

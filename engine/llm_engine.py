@@ -31,7 +31,7 @@ from engine.core.scheduler import Scheduler
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_events import ZmqPublisher
 from engine.metrics import EngineMetrics
-from engine.worker.disk_tier import DiskStore, file_overhead, fingerprint
+from engine.worker.disk_tier import DiskStore, disk_pool_sizes, fingerprint
 from engine.worker.drafter import Drafter
 from engine.worker.memory import MemoryProfile
 from engine.worker.model_runner import ModelRunner
@@ -204,8 +204,7 @@ class LLMEngine:
         host = split_memory(groups, int(host_bytes), args.block_size, max_len) if host_bytes else ()
         disk = ()
         if self._disk_tier_checked(tier):
-            disk = split_memory(groups, int(args.kv_disk_cache_gib * GIB), args.block_size,
-                                max_len, file_overhead(args.block_size))  # fmt: skip
+            disk = disk_pool_sizes(groups, args.kv_disk_cache_gib, args.block_size, max_len)
         if args.kv_tier_write_through and not tier:
             raise ValueError("--kv-tier-write-through needs --kv-host-cache-gib")
         return CacheConfig(groups, args.block_size, blocks, host, args.enable_prefix_caching, tier,

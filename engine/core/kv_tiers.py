@@ -137,7 +137,7 @@ class Tiers:
 
     def seed_disk(self, entries: list[tuple[int, bytes, tuple[int, ...]]]) -> int:
         """Blocks a disk tier holds from an earlier run, (group, key, token ids) least recently
-        used first, made findable: the most recent that the bound holds (the others' files are
+        written first, made findable: the most recent that the bound holds (the others' files are
         dropped at the next step). Returns how many."""
         kept, room = [], [pool.num_blocks for pool in self.disk_pools]
         for group, key, tokens in reversed(entries):

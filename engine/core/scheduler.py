@@ -99,7 +99,7 @@ class SchedulerOutput:
     # or in, never both, so a host block freed by a swap-in is not yet reused. Evictions come
     # first, in the order they were decided: the blocks they give up, which they still read,
     # are written only by the moves after them and by the forward pass.
-    # Before them, the host tier's copies (``kv_manager``): evicted prefix blocks written down
+    # Before them, the host tier's copies (``kv_tiers``): evicted prefix blocks written down
     # (their device blocks may be refilled by any move after), then hits copied up.
     # Before them, the disk tier's writes, reads and drops (``kv_tiers.DiskOp``), in order.
     disk_ops: list[tuple] = field(default_factory=list)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from engine.core.config import GIB, split_memory
 from models.kv_spec import KVCacheGroup
 
 log = logging.getLogger("kvserve")
@@ -40,6 +41,15 @@ Caches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (K, V)
 def file_overhead(block_size: int) -> int:
     """Bytes a block's file may take beyond its payload."""
     return len(MAGIC) + 4 + HEADER_BYTES + HEADER_BYTES_PER_TOKEN * block_size
+
+
+def disk_pool_sizes(
+    groups: list[KVCacheGroup], gib: float, block_size: int, max_model_len: int
+) -> tuple[int, ...]:
+    """Blocks per group that ``gib`` of files hold, each file's header counted."""
+    return split_memory(
+        groups, int(gib * GIB), block_size, max_model_len, file_overhead(block_size)
+    )
 
 
 def fingerprint(model: str, dtype: str, block_size: int, groups: list[KVCacheGroup]) -> dict:
@@ -79,7 +89,7 @@ class DiskStore:
     # -- start-up ---------------------------------------------------------------------------
 
     def scan(self) -> tuple[list[tuple[int, bytes, tuple[int, ...]]], int]:
-        """The blocks a previous run left, (group, key, token ids) least recently used first,
+        """The blocks a previous run left, (group, key, token ids) least recently written first,
         and how many files were skipped (removed: cut off, corrupt, or not this store's)."""
         found, skipped = [], 0
         for path in self.root.iterdir():
