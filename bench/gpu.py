@@ -1,7 +1,7 @@
 """One command for a lent GPU: the CUDA tests, the kernel benchmarks, the decode step and a
 served load test, into one results folder, in under 8 minutes of one device.
 
-    python -m bench.gpu --out DIR [--budget 470] [--stages A B C D E F]
+    python -m bench.gpu --out DIR [--budget 470] [--stages A B C D E F G]
 
 Stages, each a subprocess with its own deadline (cut to what the budget has left; a stage that
 fails or runs out is recorded and the next one runs):
@@ -19,6 +19,8 @@ fails or runs out is recorded and the next one runs):
      tokens in, 128 out, ignore_eos)
   F  ``bench.step_profile``: a graphs decode step's wall time against its GPU kernel time,
      and the kernels that take it
+  G  ``bench.step_profile --host``: where the host's time goes at the served shape under a
+     load of mixed steps (Python's profiler), batch 64
 
 ``DIR/summary.txt`` holds the device and versions, then per stage its command, deadline, exit
 code and the last lines of its output; each stage's whole log and result files lie beside it.
@@ -48,7 +50,7 @@ CUDA_TESTS = [
     "tests/engine/test_speculative_backends.py", "tests/engine/test_dtypes.py",
 ]  # fmt: skip
 # Seconds each stage may take at most; the whole run fits in --budget.
-DEADLINES = {"A": 150, "B": 60, "C": 120, "D": 45, "E": 90, "F": 120}
+DEADLINES = {"A": 150, "B": 60, "C": 120, "D": 45, "E": 90, "F": 120, "G": 90}
 MIN_STAGE_S = 10  # a stage left less than this by the budget is skipped
 SERVED = "qwen2.5-1.5b"
 CONCURRENCY = (1, 8, 64)
@@ -65,6 +67,8 @@ def stage_commands(out: Path) -> dict[str, tuple[str, list[str]]]:
         "D": ("quant_speed", [py, "-m", "bench.quant_speed", "--out", f"{out}/D_quant_speed"]),
         "E": ("served load test", [py, "-m", "bench.gpu", "--stage-e", str(out)]),
         "F": ("step profile", [py, "-m", "bench.step_profile", "--out", f"{out}/F_step_profile"]),
+        "G": ("host profile", [py, "-m", "bench.step_profile", "--host", "--models", SERVED,
+                               "--batch", "64", "--top", "40", "--out", f"{out}/G_host_profile"]),
     }  # fmt: skip
 
 

@@ -1,17 +1,24 @@
 """Where a CUDA-graphs decode step's time goes: the wall time per step against the GPU kernel
 time per step, with the kernels that take it.
 
-    python -m bench.step_profile [--models smollm2-135m qwen2.5-1.5b] [--batch 1 64]
+    python -m bench.step_profile [--models smollm2-135m qwen2.5-1.5b] [--batch 1 64] [--host]
 
 Random bf16 weights at each shape (``bench.decode_step.SHAPES``), a 1,024-token prompt per
 sequence. Wall: (generate 65 tokens - generate 1) / 64. Kernel time: the profiler's device time
 over generate(33) less generate(1), per kernel, / 32; what the wall holds beyond it is host work
 and gaps between launches.
+
+``--host``: where the host's time goes under a served-like load instead: 2 x batch requests of
+256 tokens, at most ``batch`` at once, each asking 64-192 tokens, so that new prompts' chunks
+keep joining running decodes (mixed steps) as in a load test. Python's profiler over the run
+lists the functions by their own time (``DecodeGraphs.run`` calls against the engine's steps:
+how many steps replayed a graph).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import statistics
 import tempfile
 import time
@@ -61,6 +68,35 @@ def profile_batch(llm: LLM, vocab: int, batch: int, top: int) -> list[str]:
     return lines
 
 
+def profile_host(llm: LLM, vocab: int, batch: int, top: int) -> list[str]:
+    import cProfile
+    import pstats
+
+    gen = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(3, vocab, (256,), generator=gen).tolist() for _ in range(2 * batch)]
+    params = [SamplingParams(temperature=0, max_tokens=int(n), ignore_eos=True)
+              for n in torch.randint(64, 193, (2 * batch,), generator=gen)]  # fmt: skip
+    llm.generate(prompts[:batch], params[:batch])  # warm-up: kernels compiled, graphs captured
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    profiler.enable()
+    outs = llm.generate(prompts, params)
+    profiler.disable()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    stream = io.StringIO()
+    stats = pstats.Stats(profiler, stream=stream).sort_stats("tottime")
+    stats.print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    text = stream.getvalue()
+    body = text[text.index("   ncalls") :] if "   ncalls" in text else text
+    return [f"host, {2 * batch} requests, at most {batch} at once: {wall:.2f} s for {tokens} "
+            f"tokens ({tokens / wall:.0f} tok/s, under the profiler)", "", "```", body.rstrip(),
+            "```"]  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.step_profile", description=__doc__)
     parser.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-1.5b"],
@@ -68,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", nargs="+", type=int, default=[1, 64])
     parser.add_argument("--top", type=int, default=14, help="kernels listed per batch")
     parser.add_argument("--out", type=Path, help="write the tables to OUT.md")
+    parser.add_argument("--host", action="store_true", help="profile the host under a load")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
@@ -79,9 +116,10 @@ def main(argv: list[str] | None = None) -> int:
                       max_num_seqs=max(args.batch), max_num_batched_tokens=2048,
                       kv_cache_memory_gib=8, enable_prefix_caching=False)  # fmt: skip
             for batch in args.batch:
-                lines += ["", f"## {name}", "", *profile_batch(llm, SHAPES[name][2]["vocab_size"],
-                                                               batch, args.top)]  # fmt: skip
-                print("\n".join(lines[-args.top - 5 :]), flush=True)
+                how = profile_host if args.host else profile_batch
+                found = how(llm, SHAPES[name][2]["vocab_size"], batch, args.top)
+                lines += ["", f"## {name}", "", *found]
+                print("\n".join(lines[-len(found) - 3 :]), flush=True)
             del llm
             torch.cuda.empty_cache()
     if args.out:

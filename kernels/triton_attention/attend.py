@@ -11,7 +11,6 @@ from kernels.triton_attention.formats import (
     _INT4,
     _load_values,
     _row_scale,
-    _stored_column,
 )
 
 
@@ -195,12 +194,10 @@ def _load_query(
     BLOCK_D1: tl.constexpr,
     BLOCK_D2: tl.constexpr,
     UPCAST: tl.constexpr,
-    PERM: tl.constexpr,
 ):
-    """Query rows as the power-of-two part and the tail of the key width, in ``dtype``, their
-    columns in the keys' order (``_stored_column``)."""
-    d1 = _stored_column(tl.arange(0, BLOCK_D1), PERM)
-    d2 = D1 + _stored_column(tl.arange(0, BLOCK_D2), PERM)
+    """Query rows as the power-of-two part and the tail of the key width, in ``dtype``."""
+    d1 = tl.arange(0, BLOCK_D1)
+    d2 = D1 + tl.arange(0, BLOCK_D2)
     ptrs = q_ptr + row_off[:, None]
     q1 = tl.load(ptrs + d1[None, :] * stride_d, mask=valid[:, None] & (d1 < D1)[None, :], other=0.0)
     q2 = tl.load(

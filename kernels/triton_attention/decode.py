@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_attention.attend import _add_scores, _attend, _load_query
-from kernels.triton_attention.formats import _FLOAT, _INT4, _stored_column
+from kernels.triton_attention.formats import _FLOAT
 
 
 @triton.jit(do_not_specialize=["ring_len", "num_splits", "stride_tb"])
@@ -76,7 +76,6 @@ def _decode_kernel(
     q_row = seq.to(tl.int64) * stride_qb + head * stride_qh
     q1, q2 = _load_query(
         q_ptr, q_row, head_ok, stride_qd, dot_dtype, D1, D2, BLOCK_D1, BLOCK_D2, UPCAST,
-        KV == _INT4,
     )  # fmt: skip
 
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -108,7 +107,7 @@ def _decode_kernel(
     # MLA's 64 heads, ptxas would spill them).
     flat = tl.arange(0, BLOCK_G * BLOCK_DV)
     row = (tl.program_id(1) % HEAD_TILES) * BLOCK_G + flat // BLOCK_DV
-    col = _stored_column(flat % BLOCK_DV, KV == _INT4)
+    col = flat % BLOCK_DV
     store_mask = (row < GROUP) & (col < DV)
     out = tl.reshape(out, [BLOCK_G * BLOCK_DV])
     # The log-sum-exp is stored even for one split, for ``_decode_scores_kernel``.
@@ -233,7 +232,7 @@ def _decode_scores_kernel(
         k_head = tl.multiple_of(k_head, ALIGN)
     q1, q2 = _load_query(
         q_ptr, seq.to(tl.int64) * stride_qb + head * stride_qh, head_ok, stride_qd, dot_dtype,
-        D1, D2, BLOCK_D1, BLOCK_D2, UPCAST, KV == _INT4,
+        D1, D2, BLOCK_D1, BLOCK_D2, UPCAST,
     )  # fmt: skip
 
     seq_len = tl.load(seq_lens_ptr + seq)

@@ -164,15 +164,6 @@ def _write_quantized_kernel(
 
 
 @triton.jit
-def _stored_column(t, PERM: tl.constexpr):
-    """The value a tile column holds: itself, or in int4 tiles (PERM) the order in which
-    ``_load_values`` unpacks a group, each byte's two values side by side (j, j + 16)."""
-    if PERM:
-        t = (t // _QGROUP) * _QGROUP + (t % 2) * (_QGROUP // 2) + (t % _QGROUP) // 2
-    return t
-
-
-@triton.jit
 def _load_values(
     ptr,
     row_off,
@@ -186,18 +177,19 @@ def _load_values(
 ):
     """Values C0 .. C0 + C of the quantized rows at byte offsets ``row_off``, a [BLOCK_N, BLOCK]
     tile of ``dtype`` (zero past C and in rows not ``valid``): int8 and fp8 as stored, without
-    their row scale (``_row_scale``), int4 dequantized, in ``_stored_column`` order."""
+    their row scale (``_row_scale``), int4 dequantized."""
     if KV == _INT4:
-        g = C0 // _QGROUP + tl.arange(0, BLOCK // _QGROUP)
-        j = tl.arange(0, _QGROUP // 2)
-        g_ok = valid[:, None] & (g < (C0 + C) // _QGROUP)[None, :]
-        group = ptr + row_off[:, None] + g[None, :] * _QGROUP_BYTES
-        b = tl.load(group[:, :, None] + 2 + j[None, None, :], mask=g_ok[:, :, None], other=0)
+        # [rows, groups, 32]: value l of a group is nibble l // 16 of its byte l % 16, so each
+        # byte is loaded twice (the second from L1) and the tile comes out in column order. A
+        # join of the two nibble halves, reshaped, was miscompiled in 16-bit dots on sm_90.
+        g = C0 // _QGROUP + tl.arange(0, BLOCK // _QGROUP)[None, :, None]
+        lane = tl.arange(0, _QGROUP)[None, None, :]
+        g_ok = valid[:, None, None] & (g < (C0 + C) // _QGROUP)
+        group = ptr + row_off[:, None, None] + g * _QGROUP_BYTES
+        b = tl.load(group + 2 + lane % (_QGROUP // 2), mask=g_ok, other=0).to(tl.int32)
         scale = tl.load(group.to(tl.pointer_type(tl.float16)), mask=g_ok, other=0.0)
-        lo = (b & 0xF).to(tl.float32) - 8.0
-        hi = (b >> 4).to(tl.float32) - 8.0
-        x = tl.join(lo, hi) * scale.to(tl.float32)[:, :, None, None]
-        x = tl.reshape(x, [BLOCK_N, BLOCK]).to(dtype)
+        q = ((b >> (4 * (lane // (_QGROUP // 2)))) & 0xF).to(tl.float32) - 8.0
+        x = tl.reshape(q * scale.to(tl.float32), [BLOCK_N, BLOCK]).to(dtype)
     else:
         col = C0 + tl.arange(0, BLOCK)
         mask = valid[:, None] & (col < C0 + C)[None, :]

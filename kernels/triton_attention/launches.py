@@ -267,7 +267,8 @@ def prefill_launches(
     group = num_heads // num_kv_heads
     dims = _dims(dk, dv)
     dtype = _dot_dtype(q, k_cache)
-    tile = tile or prefill_tile(dtype, dk, dv, group, kv_quant.is_quantized(k_cache))
+    kv = k_cache.dtype if kv_quant.is_quantized(k_cache) else None
+    tile = tile or prefill_tile(dtype, dk, dv, group, kv)
     block_g = min(triton.next_power_of_2(group), tile.rows)
     block_q = tile.rows // block_g
     head_tiles = triton.cdiv(group, block_g)

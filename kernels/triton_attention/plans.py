@@ -67,7 +67,7 @@ def decode_tile(
     group: int,
     block_size: int = 16,
     window: int = 0,
-    quantized: bool = False,
+    kv: torch.dtype | None = None,
 ) -> Tile:
     """Default decode tile, from ``python -m bench.kernel_speed --sweep`` on an H100 (bf16;
     bench/results/), then held within shared memory and free of register spills on sm_90 and
@@ -84,16 +84,21 @@ def decode_tile(
     entry is then one scalar (``block_size`` a multiple of 16, no window ring); elsewhere, and
     in fp32, 32 heads.
 
-    A ``quantized`` cache's tiles are converted in registers (``dtype`` is then the model's):
-    from 256 wide on they take 8 warps (head dim 256 on 4 spills on both targets), MLA's 32
-    heads and 16 keys a step (64 heads spill hundreds of bytes)."""
+    A quantized cache's tiles (``kv``: its dtype; ``dtype`` is then the model's) are converted
+    in registers: from 256 wide on they take 8 warps (head dim 256 on 4 spills on both
+    targets), MLA's 32 heads and 16 keys a step (64 heads spill hundreds of bytes). int4's
+    tiles, unpacked in registers, take less: 16 MLA heads (32 spill 400 bytes under triton
+    3.6), and 8 warps where 128 wide (4 spill on sm_90)."""
     rows, width = min(_pow2(group), 64), _pow2(dk)
+    quantized = kv is not None
     if dtype == torch.float32:
         return Tile(min(rows, 32), 32 if width <= 128 else 16, 4 if width <= 64 else 8, 3)
     if quantized and width > 256:
-        return Tile(min(rows, 32), 16, 8, 3)
+        return Tile(min(rows, 16 if kv == torch.uint8 else 32), 16, 8, 3)
     if quantized and width == 256:
         return Tile(rows, 32, 8, 3)
+    if kv == torch.uint8 and width == 128:
+        return Tile(rows, 64, 8, 3)
     if width > 256:
         if rows > 32 and block_size % 16 == 0 and window == 0:
             return Tile(rows, 16, 8, 3)
@@ -102,7 +107,7 @@ def decode_tile(
 
 
 def prefill_tile(
-    dtype: torch.dtype, dk: int, dv: int, group: int = 1, quantized: bool = False
+    dtype: torch.dtype, dk: int, dv: int, group: int = 1, kv: torch.dtype | None = None
 ) -> Tile:
     """Default prefill tile, sized by the ahead-of-time compile of
     ``tests/kernels/test_kernel_variants.py`` for sm_90 and sm_80: within shared memory, no
@@ -118,15 +123,16 @@ def prefill_tile(
     queries spills on sm_90 (its rows' positions and indices take the registers), and would
     read each latent row as often as 64 heads of one query.
 
-    Over a ``quantized`` cache MLA takes 16 rows, 32 keys a step: its tiles are converted in
-    registers, and wider ones spill on sm_90 (int4's most). Other widths keep their tiles."""
+    Over a quantized cache (``kv``: its dtype) MLA takes 16 rows, 32 keys a step (int4: 16):
+    its tiles are converted in registers, and wider ones spill on sm_90. Other widths keep
+    their tiles."""
     width = max(_pow2(dk), _pow2(dv))
     if dtype == torch.float32:
         if width == 256:
             return Tile(16, 16, 4, 3)
         return Tile(32, 16, 4 if width <= 64 else 8, 3)
-    if quantized and width > 256:
-        return Tile(16, 32, 8, 3)
+    if kv is not None and width > 256:
+        return Tile(16, 16 if kv == torch.uint8 else 32, 8, 3)
     if width <= 64:
         return Tile(64, 64, 4)
     if width <= 128:
@@ -199,8 +205,9 @@ def launch_plan(
     ``sms``: the multiprocessors to fill, by default ``device_sms`` of q's device."""
     num_kv_heads = k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
-    dtype, quantized = _dot_dtype(q, k_cache), kv_quant.is_quantized(k_cache)
-    tile = tile or decode_tile(dtype, q.shape[-1], group, k_cache.shape[1], window, quantized)
+    dtype = _dot_dtype(q, k_cache)
+    kv = k_cache.dtype if kv_quant.is_quantized(k_cache) else None
+    tile = tile or decode_tile(dtype, q.shape[-1], group, k_cache.shape[1], window, kv)
     head_tiles = triton.cdiv(group, tile.rows)
     if num_splits is None:
         sms = device_sms(q.device) if sms is None else sms

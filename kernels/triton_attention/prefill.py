@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_attention.attend import _add_scores, _attend, _load_query
-from kernels.triton_attention.formats import _FLOAT, _INT4, _stored_column
+from kernels.triton_attention.formats import _FLOAT
 
 
 @triton.jit
@@ -118,7 +118,6 @@ def _prefill_kernel(
     q_row = token * stride_qt + head * stride_qh
     q1, q2 = _load_query(
         q_ptr, q_row, row_ok, stride_qd, dot_dtype, D1, D2, BLOCK_D1, BLOCK_D2, UPCAST,
-        KV == _INT4,
     )  # fmt: skip
 
     acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_DV], dtype=tl.float32)
@@ -165,7 +164,7 @@ def _prefill_kernel(
     # Stored flat, as in decode: the row indices are derived anew from one range here.
     flat = tl.arange(0, BLOCK_Q * BLOCK_G * BLOCK_DV)
     row = flat // BLOCK_DV
-    col = _stored_column(flat % BLOCK_DV, KV == _INT4)
+    col = flat % BLOCK_DV
     q_idx = q0 + row // BLOCK_G
     g = (tl.program_id(1) % HEAD_TILES) * BLOCK_G + row % BLOCK_G
     o_ptrs = (
@@ -257,7 +256,7 @@ def _prefill_scores_kernel(
         k_new = tl.multiple_of(k_new, ALIGN)
     q1, q2 = _load_query(
         q_ptr, token * stride_qt + head * stride_qh, row_ok, stride_qd, dot_dtype, D1, D2,
-        BLOCK_D1, BLOCK_D2, UPCAST, KV == _INT4,
+        BLOCK_D1, BLOCK_D2, UPCAST,
     )  # fmt: skip
 
     # A tile none of whose rows counts visits no key.
