@@ -8,7 +8,8 @@ sequence. Wall: (generate 65 tokens - generate 1) / 64. Kernel time: the profile
 over generate(33) less generate(1), per kernel, / 32; what the wall holds beyond it is host work
 and gaps between launches.
 
-``--host``: where the host's time goes under a served-like load instead: 2 x batch requests of
+``--host``: the host's time per kernel launch (``launch_cost``), then where the host's time
+goes under a served-like load instead: 2 x batch requests of
 256 tokens, at most ``batch`` at once, each asking 64-192 tokens, so that new prompts' chunks
 keep joining running decodes (mixed steps) as in a load test. Python's profiler over the run
 lists the functions by their own time (``DecodeGraphs.run`` calls against the engine's steps:
@@ -97,6 +98,48 @@ def profile_host(llm: LLM, vocab: int, batch: int, top: int) -> list[str]:
             "```"]  # fmt: skip
 
 
+def launch_cost(launches: int = 2000) -> list[str]:
+    """The host's time per launch of the decode kernel (Qwen2.5-1.5B's heads, batch 64):
+    through Triton's JIT (``Launch``: arguments bound and specialized, cache looked up, every
+    call), and through the compiled kernel's launcher alone (what a launch costs without that
+    dispatch)."""
+    from kernels.triton_attention import decode_launches
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    blocks, bs = 64 * 64, 16
+    k_cache = torch.randn(blocks, bs, 2, 128, generator=gen, device="cuda", dtype=torch.bfloat16)
+    tables = torch.arange(blocks, device="cuda", dtype=torch.int32).view(64, 64)
+    q = torch.randn(64, 12, 128, generator=gen, device="cuda", dtype=torch.bfloat16)
+    lens = torch.full((64,), 1000, device="cuda", dtype=torch.int32)
+    _, found = decode_launches(q, k_cache, k_cache, tables, lens, 128**-0.5, num_splits=1)
+    launch = found[0]
+
+    def compiled_launcher():
+        # Triton's launcher takes every argument in signature order, constexprs included.
+        compiled = launch.kernel[launch.grid](*launch.args, **launch.params)
+        names = launch.kernel.arg_names[len(launch.args) :]
+        values = [*launch.args, *(launch.params[n] for n in names)]
+        runner = compiled[launch.grid]
+        return lambda: runner(*values)
+
+    lines = [f"host time per launch of `{launch.kernel.__name__}`, {launches} launches:"]
+    calls = {"Triton JIT (Launch)": lambda: launch, "compiled launcher": compiled_launcher}
+    for name, make in calls.items():
+        try:
+            call = make()
+            call()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(launches):
+                call()
+            host = (time.perf_counter() - start) / launches * 1e6
+            torch.cuda.synchronize()
+            lines.append(f"- {name}: {host:.1f} µs")
+        except Exception as exc:  # the launcher's calling convention is Triton's own
+            lines.append(f"- {name}: failed: {type(exc).__name__}: {exc}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.step_profile", description=__doc__)
     parser.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-1.5b"],
@@ -109,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     lines = [f"# Decode step profile, {torch.cuda.get_device_name()}, torch {torch.__version__}"]
+    if args.host:
+        lines += ["", *launch_cost()]
+        print("\n".join(lines), flush=True)
     with tempfile.TemporaryDirectory() as folder:
         for name in args.models:
             path = build_checkpoint(name, Path(folder))
