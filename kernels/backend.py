@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import reference
-from kernels.launch import Launch
+from kernels.launch import Launch, Launcher
 from kernels.rotary import RopeLayout, delta_cos_sin, rotate_reference
 from kernels.weights import DENSE_TYPES, DecoderLayerWeights, Weight
 
@@ -582,16 +582,15 @@ class CpuBackend(TorchBackend):
 
 class TritonBackend(AttentionBackend):
     """The Triton kernels. Each operation builds its launches (``kernels.launch.Launch``) and
-    hands them to ``run``, which launches them; ``sms`` overrides the device's multiprocessor
-    count that decode splits are planned for. Both are there so that the launches of a model's
-    steps can be collected, and compiled ahead of time for a GPU that is not present."""
+    hands them to ``run``, which launches them (by default a ``Launcher`` of this backend's
+    own); ``sms`` overrides the device's multiprocessor count that decode splits are planned
+    for. Both are there so that the launches of a model's steps can be collected, and compiled
+    ahead of time for a GPU that is not present."""
 
     name = "triton"
     capturable = True
 
-    def __init__(
-        self, run: Callable[[Launch], None] = Launch.__call__, sms: int | None = None
-    ) -> None:
+    def __init__(self, run: Callable[[Launch], None] | None = None, sms: int | None = None) -> None:
         from kernels import (
             kv_quant,
             rotary,
@@ -609,7 +608,7 @@ class TritonBackend(AttentionBackend):
         self._norm = triton_norm
         self._rope = triton_rope
         self._act = triton_act
-        self._run = run
+        self._run = run or Launcher()
         self._sms = sms
 
     def rms_norm(self, x, weight, eps, offset):
