@@ -116,20 +116,17 @@ def launch_cost(launches: int = 2000) -> list[str]:
     launch = found[0]
 
     def compiled_launcher():
-        # Triton's launcher takes every argument in signature order, constexprs included.
         compiled = launch.kernel[launch.grid](*launch.args, **launch.params)
-        names = launch.kernel.arg_names[len(launch.args) :]
-        values = [*launch.args, *(launch.params[n] for n in names)]
-        runner = compiled[launch.grid]
+        _, rest = Launcher.keep(launch.kernel, compiled, launch)
+        runner, values = compiled[launch.grid], (*launch.args, *rest)
         return lambda: runner(*values)
-
-    lines = [f"host time per launch of `{launch.kernel.__name__}`, {launches} launches:"]
 
     def kept():
         launcher = Launcher()
         launcher(launch)  # the first launch compiles and keeps the variant
         return lambda: launcher(launch)
 
+    lines = [f"host time per launch of `{launch.kernel.__name__}`, {launches} launches:"]
     calls = {"Triton JIT (Launch)": lambda: launch, "kernels.launch.Launcher": kept,
              "compiled launcher alone": compiled_launcher}  # fmt: skip
     for name, make in calls.items():

@@ -62,35 +62,38 @@ class Launcher:
     kernels, which compile nothing, always are."""
 
     def __init__(self) -> None:
-        self._variants: dict[tuple, tuple[Any, tuple] | None] = {}
-
-    def __call__(self, launch: Launch) -> None:
+        # Resolved once, not per launch (triton is imported only where this backend runs).
         from triton import knobs
         from triton.runtime import driver
         from triton.runtime.jit import JITFunction
 
+        self._knobs, self._driver, self._jit = knobs, driver, JITFunction
+        self._variants: dict[tuple, tuple[Any, tuple] | None] = {}
+
+    def __call__(self, launch: Launch) -> None:
         kernel = launch.kernel
-        if not isinstance(kernel, JITFunction):
+        if not isinstance(kernel, self._jit):
             launch()
             return
         key = (kernel, _specialization(launch.args), tuple(launch.params.items()))
         found = self._variants.get(key)  # every param a constexpr or option: hashable
         if found is None:
             compiled = kernel[launch.grid](*launch.args, **launch.params)
-            self._variants[key] = self._keep(kernel, compiled, launch)
+            self._variants[key] = self.keep(kernel, compiled, launch)
             return
         compiled, rest = found
         grid = (*launch.grid, 1, 1)
-        stream = driver.active.get_current_stream(driver.active.get_current_device())
+        active, hooks = self._driver.active, self._knobs.runtime
+        stream = active.get_current_stream(active.get_current_device())
         args = (*launch.args, *rest)
         compiled.run(
             grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
             compiled.launch_metadata(launch.grid, stream, *args),
-            knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args,
+            hooks.launch_enter_hook, hooks.launch_exit_hook, *args,
         )  # fmt: skip
 
     @staticmethod
-    def _keep(kernel: Any, compiled: Any, launch: Launch) -> tuple[Any, tuple] | None:
+    def keep(kernel: Any, compiled: Any, launch: Launch) -> tuple[Any, tuple] | None:
         """The compiled variant and the values of the parameters after the positional
         arguments, in signature order (its launcher takes them all, constexprs included)."""
         if hasattr(compiled, "result"):  # an asynchronous compile's future

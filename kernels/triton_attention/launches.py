@@ -267,8 +267,7 @@ def prefill_launches(
     group = num_heads // num_kv_heads
     dims = _dims(dk, dv)
     dtype = _dot_dtype(q, k_cache)
-    kv = k_cache.dtype if kv_quant.is_quantized(k_cache) else None
-    tile = tile or prefill_tile(dtype, dk, dv, group, kv)
+    tile = tile or prefill_tile(dtype, dk, dv, group, k_cache.dtype)
     block_g = min(triton.next_power_of_2(group), tile.rows)
     block_q = tile.rows // block_g
     head_tiles = triton.cdiv(group, block_g)

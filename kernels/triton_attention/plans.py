@@ -84,13 +84,13 @@ def decode_tile(
     entry is then one scalar (``block_size`` a multiple of 16, no window ring); elsewhere, and
     in fp32, 32 heads.
 
-    A quantized cache's tiles (``kv``: its dtype; ``dtype`` is then the model's) are converted
-    in registers: from 256 wide on they take 8 warps (head dim 256 on 4 spills on both
+    ``kv`` is the cache's dtype. A quantized cache's tiles (``dtype`` is then the model's) are
+    converted in registers: from 256 wide on they take 8 warps (head dim 256 on 4 spills on both
     targets), MLA's 32 heads and 16 keys a step (64 heads spill hundreds of bytes). int4's
     tiles, unpacked in registers, take less: 16 MLA heads (32 spill 400 bytes under triton
     3.6), and 8 warps where 128 wide (4 spill on sm_90)."""
     rows, width = min(_pow2(group), 64), _pow2(dk)
-    quantized = kv is not None
+    quantized = kv in kv_quant.QUANTIZED
     if dtype == torch.float32:
         return Tile(min(rows, 32), 32 if width <= 128 else 16, 4 if width <= 64 else 8, 3)
     if quantized and width > 256:
@@ -123,7 +123,7 @@ def prefill_tile(
     queries spills on sm_90 (its rows' positions and indices take the registers), and would
     read each latent row as often as 64 heads of one query.
 
-    Over a quantized cache (``kv``: its dtype) MLA takes 16 rows, 32 keys a step (int4: 16):
+    Over a quantized cache (``kv``: the cache's dtype) MLA takes 16 rows, 32 keys a step (int4: 16):
     its tiles are converted in registers, and wider ones spill on sm_90. Other widths keep
     their tiles."""
     width = max(_pow2(dk), _pow2(dv))
@@ -131,7 +131,7 @@ def prefill_tile(
         if width == 256:
             return Tile(16, 16, 4, 3)
         return Tile(32, 16, 4 if width <= 64 else 8, 3)
-    if kv is not None and width > 256:
+    if kv in kv_quant.QUANTIZED and width > 256:
         return Tile(16, 16 if kv == torch.uint8 else 32, 8, 3)
     if width <= 64:
         return Tile(64, 64, 4)
@@ -206,8 +206,7 @@ def launch_plan(
     num_kv_heads = k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     dtype = _dot_dtype(q, k_cache)
-    kv = k_cache.dtype if kv_quant.is_quantized(k_cache) else None
-    tile = tile or decode_tile(dtype, q.shape[-1], group, k_cache.shape[1], window, kv)
+    tile = tile or decode_tile(dtype, q.shape[-1], group, k_cache.shape[1], window, k_cache.dtype)
     head_tiles = triton.cdiv(group, tile.rows)
     if num_splits is None:
         sms = device_sms(q.device) if sms is None else sms

@@ -21,10 +21,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
-import json, torch
+import json, sys, torch
+from tests.kernels.kernel_variants import Specializer, unavailable
+
+if unavailable():
+    print(json.dumps({"skip": unavailable()}))
+    sys.exit()
 from kernels import triton_norm
 from kernels.launch import _specialization
-from tests.kernels.kernel_variants import Specializer
 
 specializer = Specializer(90)
 pairs = []
@@ -40,7 +44,7 @@ for dim in (1, 16, 48, 100):
                 ours = repr((found.kernel.__name__, _specialization(found.args),
                              tuple(found.params.items())))
                 pairs.append((ours, specializer.variant(found).key))
-print(json.dumps(pairs))
+print(json.dumps({"pairs": pairs}))
 """
 
 
@@ -48,18 +52,14 @@ def test_equal_launcher_keys_are_one_triton_variant():
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    probe = subprocess.run(
-        [sys.executable, "-c", "from tests.kernels import kernel_variants as k; "
-         "print(k.unavailable() or '')"],
-        cwd=ROOT, env=env, text=True, capture_output=True, check=True,
-    )  # fmt: skip
-    if probe.stdout.strip():
-        pytest.skip(probe.stdout.strip())
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, text=True, capture_output=True
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    pairs = json.loads(done.stdout.splitlines()[-1])
+    result = json.loads(done.stdout.splitlines()[-1])
+    if "skip" in result:
+        pytest.skip(result["skip"])
+    pairs = result["pairs"]
     variants: dict[str, set[str]] = {}
     for ours, triton in pairs:
         variants.setdefault(ours, set()).add(triton)
