@@ -6,6 +6,11 @@ copy measured in the same run (copy GB/s counts read + write bytes). Next to it:
 K/V gathered beforehand into dense tensors (the gather is not timed: a bound, not a paged
 kernel), and FlashInfer / flash-attn when importable.
 
+``--kv`` names the KV dtypes of the caches (default: ``--dtype``'s), each shape run over each:
+a quantized one (int8, fp8_e4m3, int4: ``kernels.kv_quant``) under a query of ``--dtype`` reads
+the quantized rows (scales included: the bytes counted), SDPA the dequantized rows in
+``--dtype``; the "vs first" column is the first KV dtype's time for the shape over this one's.
+
 ``--smoke`` runs tiny shapes on the CPU through the torch backend, to show the script runs.
 """
 
@@ -26,7 +31,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
+from kernels import kv_quant, reference
+from models.kv_spec import QUANTIZED_KV, row_bytes
 
 # Query heads, KV heads, Dk, Dv: Llama-3-8B, SmolLM2-135M, Gemma 3 270M (global and window).
 GQA_LAYOUTS = ((32, 8, 128, 128), (9, 3, 64, 64), (4, 1, 256, 256))
@@ -57,18 +63,15 @@ class Shape:
     def attended(self) -> int:
         return min(self.context, self.window) if self.window else self.context
 
-    def kv_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes a decode step must read: each attended token's K and V once (MLA: one row)."""
-        width = self.dk if self.mla else self.dk + self.dv
-        return self.batch * self.attended * self.num_kv_heads * width * _itemsize(dtype)
+    def kv_bytes(self, k_row: int, v_row: int) -> int:
+        """Bytes a decode step must read: each attended token's K and V rows once (MLA: the
+        key's row, the value a prefix of it), rows of ``k_row`` and ``v_row`` bytes."""
+        width = k_row if self.mla else k_row + v_row
+        return self.batch * self.attended * self.num_kv_heads * width
 
 
 def _tokens(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def full_shapes() -> list[Shape]:
@@ -105,6 +108,10 @@ class Case:
     def scale(self) -> float:
         return self.shape.dk**-0.5
 
+    def kv_bytes(self) -> int:
+        row = lambda cache: cache.shape[-1] * cache.element_size()  # noqa: E731
+        return self.shape.kv_bytes(row(self.k_cache), row(self.v_cache))
+
     def logical_tables(self) -> torch.Tensor:
         """Table over all logical blocks of the context (the ring repeated when windowed)."""
         width = math.ceil(self.shape.context / self.block_size)
@@ -123,7 +130,11 @@ class Case:
         return torch.stack(ks).transpose(1, 2).to(dtype), torch.stack(vs).transpose(1, 2).to(dtype)
 
 
-def build_case(shape: Shape, block_size: int, dtype: torch.dtype, device: str) -> Case:
+def build_case(
+    shape: Shape, block_size: int, dtype: torch.dtype, device: str, kv: str = ""
+) -> Case:
+    """The step's inputs; the caches in the KV dtype ``kv`` when it is a quantized one,
+    written from the same random rows as the ``dtype`` cache."""
     gen = torch.Generator(device=device).manual_seed(0)
     if shape.window:
         width = math.ceil(shape.window / block_size) + 1
@@ -139,6 +150,13 @@ def build_case(shape: Shape, block_size: int, dtype: torch.dtype, device: str) -
         v_shape = (*cache_shape[:3], shape.dv)
         v_cache = torch.randn(v_shape, generator=gen, device=device, dtype=dtype)
     q = torch.randn(shape.batch, shape.num_heads, shape.dk, generator=gen, device=device)
+    stored = kv_quant.KV_DTYPES.get(kv)
+    if stored in kv_quant.QUANTIZED:
+        k_cache = kv_quant.quantize(k_cache, stored)
+        if shape.mla:  # the value is the rows' first dv values: a prefix of each stored row
+            v_cache = k_cache[..., : row_bytes(kv, shape.dv)]  # one-byte elements
+        else:
+            v_cache = kv_quant.quantize(v_cache, stored)
     seq_lens = torch.full((shape.batch,), shape.context, dtype=torch.int32, device=device)
     return Case(shape, q.to(dtype), k_cache, v_cache, tables.int(), seq_lens, block_size)
 
@@ -294,6 +312,7 @@ def _flash_attn(case: Case) -> Callable[[], torch.Tensor]:
 @dataclass
 class Row:
     shape: str
+    kv: str
     kv_mib: float
     num_splits: int | None
     us: float
@@ -306,6 +325,7 @@ class Row:
     flashinfer_us: float | None
     flash_attn_us: float | None
     notes: str
+    vs_first: float | None = None  # the shape's first KV dtype's time over this row's
 
 
 def _time_baseline(
@@ -340,7 +360,7 @@ def bench_shape(
     kernel = _kernel_under_test(case, num_splits)
     expected = kernel()
     seconds = timer(kernel)
-    nbytes = case.shape.kv_bytes(case.k_cache.dtype)
+    nbytes = case.kv_bytes()
     splits = None
     if case.q.is_cuda:
         from kernels import triton_attention
@@ -362,6 +382,7 @@ def bench_shape(
             notes.append(f"{name}: {note}")
     return Row(
         shape=case.shape.name,
+        kv=next(n for n, d in kv_quant.KV_DTYPES.items() if d == case.k_cache.dtype),
         kv_mib=nbytes / 2**20,
         num_splits=splits,
         us=seconds * 1e6,
@@ -420,19 +441,21 @@ def _us(seconds: float | None) -> float | None:
 
 def markdown(rows: list[Row], kernel: str, roofs: tuple[float, float]) -> str:
     head = (
-        f"| shape | K/V MiB | splits | {kernel} µs | GB/s | of copy BW | of read BW "
-        "| best µs (--sweep) | best tile | SDPA µs (dense) | FlashInfer µs | flash-attn µs |"
+        f"| shape | KV dtype | K/V MiB | splits | {kernel} µs | vs first | GB/s | of copy BW "
+        "| of read BW | best µs (--sweep) | best tile | SDPA µs (dense) | FlashInfer µs "
+        "| flash-attn µs |"
     )
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 14]
     cell = lambda x, f="{:.1f}": "–" if x is None else f.format(x)  # noqa: E731
     for r in rows:
         lines.append(
-            f"| {r.shape} | {r.kv_mib:.3g} | {cell(r.num_splits, '{}')} | {r.us:.1f} "
-            f"| {r.gbs:.1f} | {r.copy_frac:.0%} | {r.read_frac:.0%} | {cell(r.best_us)} "
+            f"| {r.shape} | {r.kv} | {r.kv_mib:.3g} | {cell(r.num_splits, '{}')} | {r.us:.1f} "
+            f"| {cell(r.vs_first, '{:.2f}x')} | {r.gbs:.1f} | {r.copy_frac:.0%} "
+            f"| {r.read_frac:.0%} | {cell(r.best_us)} "
             f"| {r.best or '–'} | {cell(r.sdpa_us)} | {cell(r.flashinfer_us)} "
             f"| {cell(r.flash_attn_us)} |"
         )
-    notes = [f"- {r.shape}: {r.notes}" for r in rows if r.notes]
+    notes = [f"- {r.shape} {r.kv}: {r.notes}" for r in rows if r.notes]
     footer = [
         f"\nDevice copy bandwidth (read + write): {roofs[0] / 1e9:.0f} GB/s; "
         f"read-only (a sum): {roofs[1] / 1e9:.0f} GB/s."
@@ -458,10 +481,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="write PREFIX.md and PREFIX.json")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument(
+        "--kv", nargs="+", choices=list(kv_quant.KV_DTYPES), help="KV dtypes (default --dtype)"
+    )
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--num-splits", type=int, help="force split-K (default: the heuristic)")
-    parser.add_argument("--only", help="run shapes whose name contains this text")
+    parser.add_argument("--only", nargs="+", help="run shapes whose name contains one of these")
     parser.add_argument("--no-flush", action="store_true", help="keep L2 warm between repeats")
     parser.add_argument("--sweep", action="store_true", help="also try other tiles and splits")
     return parser.parse_args(argv)
@@ -479,15 +505,21 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = (16 << 20) if args.smoke else (1 << 30)
     roofs = (copy_bandwidth(timer, device, nbytes), read_bandwidth(timer, device, nbytes))
     shapes = smoke_shapes() if args.smoke else full_shapes()
-    shapes = [s for s in shapes if not args.only or args.only in s.name]
+    shapes = [s for s in shapes if not args.only or any(o in s.name for o in args.only)]
     rows = []
     for shape in shapes:
-        case = build_case(shape, args.block_size, dtype, device)
-        rows.append(bench_shape(case, timer, roofs, args.num_splits, args.sweep))
-        print(f"{shape.name}: {rows[-1].us:.1f} us", file=sys.stderr)
-        del case
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        for kv in args.kv or [args.dtype]:
+            if kv in QUANTIZED_KV and (shape.dk % 32 or shape.dv % 32):
+                print(f"{shape.name}: no {kv} rows of {shape.dk}/{shape.dv}", file=sys.stderr)
+                continue
+            case = build_case(shape, args.block_size, dtype, device, kv)
+            row = bench_shape(case, timer, roofs, args.num_splits, args.sweep)
+            row.vs_first = next(r.us for r in rows + [row] if r.shape == row.shape) / row.us
+            rows.append(row)
+            print(f"{shape.name} {kv}: {rows[-1].us:.1f} us", file=sys.stderr)
+            del case
+            if device == "cuda":
+                torch.cuda.empty_cache()
     kernel = "triton" if device == "cuda" else "torch"
     table = markdown(rows, kernel, roofs)
     print(table)

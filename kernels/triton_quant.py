@@ -8,6 +8,8 @@ A weight stays in its file's blocks; the kernels dequantize each element where t
   - ``_quant_gemv_kernel``: a decode step of up to ``GEMV_ROWS`` rows. A program owns
     BLOCK_N output features and streams their blocks once, for all rows at once; no dot units
     (a 1-row product would waste 15/16 of a 16-row MMA, and the weight's bytes bound it anyway).
+    q4_k and q6_k are read in their blocks' own order (``_gemv_q4_k``, ``_gemv_q6_k``), the
+    activations gathered to match: q4_k's quants then come in 16-byte loads.
   - ``_dequantize_rows_kernel``: rows of an embedding table, looked up by id.
 
 Element k of a stored row lies in block ``k // QK`` at byte ``(k // QK) * BLOCK_BYTES``;
@@ -192,6 +194,123 @@ def _quant_matmul_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M) & (cols < N))
 
 
+@triton.jit
+def _gemv_q4_k(x_rows, x_ok, w_rows, row_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """q4_k's part of a GEMV, [BLOCK_M, BLOCK_N, C, 32] products to sum, in the blocks' own
+    order: chunk t of a block is quant bytes [32 t, 32 t + 32), whose low nibbles are values
+    64 t + l and high nibbles 64 t + 32 + l (sub-blocks 2 t and 2 t + 1). Each chunk's 32 bytes
+    are one 16-byte-aligned run (blocks of 144 bytes, quants at 16), read as wide loads; the
+    activations are gathered in the same order instead of the weights reordered."""
+    C: tl.constexpr = BLOCK_K // 64
+    chunk = tl.arange(0, C)[None, :, None]  # [1, C, 1]
+    lane = tl.arange(0, 32)[None, None, :]  # [1, 1, 32]
+    word = tl.arange(0, 4)[None, None, :]
+    acc = tl.zeros([x_rows.shape[0], BLOCK_N, C, 32], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ch = k0 // 64 + chunk
+        ok = row_ok[:, :, None] & (ch < K // 64)  # [BLOCK_N, C, 1]
+        blk = w_rows[:, :, None] + (ch // 4) * 144
+        t = ch % 4
+        q = tl.load(blk + (16 + 32 * t + lane), mask=ok, other=0).to(tl.int32)
+        # d, dmin and scales[12] as four 32-bit words (the block is 16-byte aligned).
+        head = tl.load(blk.to(tl.pointer_type(tl.int32)) + word, mask=ok, other=0)
+        dd = tl.sum(tl.where(word == 0, head, 0), axis=2, keep_dims=True)
+        rows0 = tl.sum(tl.where(word == 1, head, 0), axis=2, keep_dims=True)
+        rows1 = tl.sum(tl.where(word == 2, head, 0), axis=2, keep_dims=True)
+        rows2 = tl.sum(tl.where(word == 3, head, 0), axis=2, keep_dims=True)
+        d = (dd & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = (dd >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        # The 6-bit scale and min of sub-block s from scales[12] as three rows of 4 (gguf-py's
+        # get_scale_min): s < 4 takes the low 6 bits of column s % 4 of rows 0 and 1; s >= 4
+        # the nibbles of row 2 and the top bits of rows 0 and 1. The low nibbles are sub-block
+        # 2 t, in column (2 t) % 4; the high ones 2 t + 1, in the next column.
+        col = 8 * ((2 * t) % 4)  # the low sub-block's byte in each row's word
+        a0, a1 = (rows0 >> col) & 255, (rows0 >> (col + 8)) & 255
+        b0, b1 = (rows1 >> col) & 255, (rows1 >> (col + 8)) & 255
+        c0, c1 = (rows2 >> col) & 255, (rows2 >> (col + 8)) & 255
+        low = t < 2
+        sc0 = tl.where(low, a0 & 63, (c0 & 15) | ((a0 >> 2) & 48)).to(tl.float32)
+        mn0 = tl.where(low, b0 & 63, (c0 >> 4) | ((b0 >> 2) & 48)).to(tl.float32)
+        sc1 = tl.where(low, a1 & 63, (c1 & 15) | ((a1 >> 2) & 48)).to(tl.float32)
+        mn1 = tl.where(low, b1 & 63, (c1 >> 4) | ((b1 >> 2) & 48)).to(tl.float32)
+        w0 = (d * sc0) * (q & 15).to(tl.float32) - dmin * mn0
+        w1 = (d * sc1) * (q >> 4).to(tl.float32) - dmin * mn1
+        at = (ch * 64 + lane)[None]  # the low nibbles' values: [1, 1, C, 32]
+        x_at = x_rows + at
+        x_in = x_ok & (at < K)
+        x0 = tl.load(x_at, mask=x_in, other=0.0)
+        x1 = tl.load(x_at + 32, mask=x_in, other=0.0)
+        w0 = w0.to(x0.dtype).to(tl.float32)[None]
+        w1 = w1.to(x0.dtype).to(tl.float32)[None]
+        acc += x0.to(tl.float32) * w0 + x1.to(tl.float32) * w1
+    return tl.sum(tl.sum(acc, axis=3), axis=2)
+
+
+@triton.jit
+def _gemv_q6_k(x_rows, x_ok, w_rows, row_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """q6_k's part of a GEMV in the blocks' own order: chunk (h, g) of a block (h a half of
+    128 values, g in 0, 1) is ql bytes [64 h + 32 g, +32), whose low nibbles are quarter g of
+    the half and high nibbles quarter g + 2, the two high bits of each in qh[32 h + l]; a
+    value's scale is per 16 values, so a chunk is taken as [2, 16]."""
+    C: tl.constexpr = BLOCK_K // 64
+    chunk = tl.arange(0, C)[None, :, None, None]  # [1, C, 1, 1]
+    u = tl.arange(0, 2)[None, None, :, None]  # which 16 of the chunk's 32
+    v = tl.arange(0, 16)[None, None, None, :]
+    acc = tl.zeros([x_rows.shape[0], BLOCK_N, C, 2, 16], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ch = k0 // 64 + chunk
+        ok = row_ok[:, :, None, None] & (ch < K // 64)  # [BLOCK_N, C, 1, 1]
+        blk = w_rows[:, :, None, None] + (ch // 4) * 210
+        h = ch % 4 // 2
+        g = ch % 2
+        lo = tl.load(blk + (32 * (ch % 4) + 16 * u + v), mask=ok, other=0).to(tl.int32)
+        hi = tl.load(blk + (128 + 32 * h + 16 * u + v), mask=ok, other=0).to(tl.int32)
+        d = tl.load((blk + 208).to(tl.pointer_type(tl.float16)), mask=ok, other=0.0)
+        d = d.to(tl.float32)
+        sc_at = blk + (192 + 8 * h + 2 * g + u)  # quarter g's scales; quarter g + 2's at +4
+        sc0 = tl.load(sc_at, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        sc1 = tl.load(sc_at + 4, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        q0 = (lo & 15) | (((hi >> (2 * g)) & 3) << 4)
+        q1 = (lo >> 4) | (((hi >> (2 * g + 4)) & 3) << 4)
+        w0 = (d * sc0) * (q0 - 32).to(tl.float32)
+        w1 = (d * sc1) * (q1 - 32).to(tl.float32)
+        at = (ch // 4 * 256 + 128 * h + 32 * g + 16 * u + v)[None]  # quarter g's values
+        x_at = x_rows + at
+        x_in = x_ok & (at < K)
+        x0 = tl.load(x_at, mask=x_in, other=0.0)
+        x1 = tl.load(x_at + 64, mask=x_in, other=0.0)
+        w0 = w0.to(x0.dtype).to(tl.float32)[None]
+        w1 = w1.to(x0.dtype).to(tl.float32)[None]
+        acc += x0.to(tl.float32) * w0 + x1.to(tl.float32) * w1
+    return tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2)
+
+
+@triton.jit
+def _gemv_any(
+    x_rows,
+    x_ok,
+    w_tile,
+    row_off,
+    row_ok,
+    K,
+    FMT: tl.constexpr,
+    QK: tl.constexpr,
+    BLOCK_BYTES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Any format's part of a GEMV through ``_dequantize``: [BLOCK_N, BLOCK_K] tiles in the
+    values' order (q8_0 and the 32-value formats: each granule's quants are one run already)."""
+    rk = tl.arange(0, BLOCK_K)[None, None, :]
+    acc = tl.zeros([x_rows.shape[0], BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        w = _dequantize(w_tile, row_off, row_ok, k0, K, FMT, QK, BLOCK_BYTES, BLOCK_N, BLOCK_K)
+        k = k0 + rk
+        x = tl.load(x_rows + k, mask=x_ok & (k < K), other=0.0)
+        acc += x.to(tl.float32) * w.to(x.dtype).to(tl.float32)[None]
+    return tl.sum(acc, axis=2)
+
+
 @triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _quant_gemv_kernel(
     x_ptr,
@@ -212,25 +331,35 @@ def _quant_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    """A program owns BLOCK_N output features and streams their rows once for all of the step's
+    rows (BLOCK_M, the step's row count rounded up to a power of 2). Products accumulate
+    element-wise and are summed once at the end: a sum across the lanes per step of K would
+    cost a shuffle and barrier round per tile."""
     n0 = tl.program_id(0) * BLOCK_N
-    rm = tl.arange(0, BLOCK_M)[:, None]
     rn = tl.arange(0, BLOCK_N)[:, None]
-    rk = tl.arange(0, BLOCK_K)[None, :]
+    row_ok = n0 + rn < N
     w_tile = w_ptr + n0.to(tl.int64) * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + rk
-        w = _dequantize(
-            w_tile, rn * stride_wn, n0 + rn < N, k0, K, FMT, QK, BLOCK_BYTES, BLOCK_N, BLOCK_K
+    # The step's rows of x, on the first axis of a tensor of each helper's rank.
+    if FMT == 12:
+        rm = tl.arange(0, BLOCK_M)[:, None, None, None]
+        x_rows, x_ok = x_ptr + rm * stride_xm, rm < M
+        acc = _gemv_q4_k(x_rows, x_ok, w_tile + rn * stride_wn, row_ok, K, BLOCK_N, BLOCK_K)
+    elif FMT == 14:
+        rm = tl.arange(0, BLOCK_M)[:, None, None, None, None]
+        x_rows, x_ok = x_ptr + rm * stride_xm, rm < M
+        acc = _gemv_q6_k(x_rows, x_ok, w_tile + rn * stride_wn, row_ok, K, BLOCK_N, BLOCK_K)
+    else:
+        rm = tl.arange(0, BLOCK_M)[:, None, None]
+        x_rows, x_ok = x_ptr + rm * stride_xm, rm < M
+        acc = _gemv_any(
+            x_rows, x_ok, w_tile, rn * stride_wn, row_ok, K, FMT, QK, BLOCK_BYTES, BLOCK_N, BLOCK_K
         )
-        w = w.to(x_ptr.dtype.element_ty).to(tl.float32)
-        x = tl.load(x_ptr + (rm * stride_xm + k), mask=(rm < M) & (k < K), other=0.0)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+    rm2 = tl.arange(0, BLOCK_M)[:, None]
     cols = n0 + tl.arange(0, BLOCK_N)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-    out = out_ptr + rm.to(tl.int64) * stride_om + cols
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm < M) & (cols < N))
+    out = out_ptr + rm2.to(tl.int64) * stride_om + cols
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm2 < M) & (cols < N))
 
 
 @triton.jit
@@ -269,7 +398,14 @@ class Tile:
 
 # Steps of at most GEMV_ROWS rows (decodes) take the GEMV kernel; more take the matmul.
 GEMV_ROWS = 4
-GEMV_TILE = Tile(GEMV_ROWS, 8, 128, 4)
+
+
+def gemv_tile(rows: int) -> Tile:
+    """The step's rows rounded up to a power of 2 (1, 2 or 4: a one-row decode multiplies no
+    padding), 16 output features a program, values in steps of 256 (a k-quant block)."""
+    return Tile(triton.next_power_of_2(rows), 16, 256, 4 if rows == 1 else 8)
+
+
 ROWS_TILE = 128  # elements a row dequantizer program writes
 
 
@@ -335,7 +471,7 @@ def linear_launches(
         args = (x2, data, bias, y, m, n, k, x2.stride(0), data.stride(0), y.stride(0))
         params = dict(**_format_params(part), HAS_BIAS=has_bias)
         if m <= GEMV_ROWS:
-            kernel, chosen = _quant_gemv_kernel, tile or GEMV_TILE
+            kernel, chosen = _quant_gemv_kernel, tile or gemv_tile(m)
             grid = (triton.cdiv(n, chosen.block_n),)
         else:
             kernel, chosen = _quant_matmul_kernel, tile or matmul_tile(m, x.dtype)

@@ -39,6 +39,8 @@ def test_the_served_checkpoint_has_a_tokenizer_kvserve_loads(tmp_path):
 
 def test_quant_speed_smoke_checks_its_products(capsys):
     pytest.importorskip("triton")
-    assert quant_speed.main(["--smoke", "--formats", "q4_k", "q8_0", "--rows", "1"]) == 0
+    argv = ["--smoke", "--formats", "q4_k", "q8_0", "--rows", "1", "--gemv-tiles", "8:256:4:1"]
+    assert quant_speed.main(argv) == 0
     table = capsys.readouterr().out
-    assert "| q4_k | 1 | gate_up | 64 x 256 |" in table and "| q8_0 | 1 |" in table
+    assert "| q4_k | 1 | gate_up | default | 64 x 256 |" in table
+    assert "| q4_k | 1 | gate_up | 1x8x256 w4 s1 | 64 x 256 |" in table and "| q8_0 | 1 |" in table

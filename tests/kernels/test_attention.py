@@ -513,3 +513,18 @@ def test_bench_smoke_runs_and_writes_both_copies(tmp_path, capsys):
     assert len(record["rows"]) == len(bench.smoke_shapes())
     assert all(row["sdpa_us"] is not None for row in record["rows"])  # the column is filled
     assert "| shape |" in (tmp_path / "smoke.md").read_text()
+
+
+def test_bench_over_quantized_caches_counts_their_bytes(tmp_path, capsys):
+    from bench import kernel_speed as bench
+
+    argv = ["--smoke", "--kv", "bfloat16", "int8", "int4", "--only", "4/2/32 2x64", "--out"]
+    assert bench.main([*argv, str(tmp_path / "kv")]) == 0
+    assert "differs" not in capsys.readouterr().out  # SDPA over the dequantized rows agrees
+    rows = json.loads((tmp_path / "kv.json").read_text())["rows"]
+    mib = {(r["shape"], r["kv"]): r["kv_mib"] for r in rows}
+    # Rows of 32 values: bf16 64 bytes, int8 32 + a 4-byte scale, int4 16 + a 2-byte scale.
+    for shape in {r["shape"] for r in rows}:
+        assert mib[shape, "int8"] / mib[shape, "bfloat16"] == 36 / 64
+        assert mib[shape, "int4"] / mib[shape, "bfloat16"] == 18 / 64
+    assert all(r["vs_first"] == 1.0 for r in rows if r["kv"] == "bfloat16")

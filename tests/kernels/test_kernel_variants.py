@@ -37,8 +37,9 @@ Bounds:
     re-rotates keys (they move in torch). A group that keeps importance scores adds the two
     scoring kernels. The layer's norms and activation are rows of their own, ``group`` naming
     what each serves (``hidden``, ``q_lora``, ``mlp``).
-    A quantized matrix part compiles one variant per kernel and tile: GEMV, the matmul's
-    decode-batch and prefill tiles (``triton_quant.matmul_tile``), the row dequantizer.
+    A quantized matrix part compiles one variant per kernel and tile: the GEMV's for 1, 2 and
+    4 rows (``triton_quant.gemv_tile``), the matmul's decode-batch and prefill tiles
+    (``triton_quant.matmul_tile``), the row dequantizer.
 """
 
 from __future__ import annotations
@@ -59,8 +60,10 @@ SCORE_KERNELS = {"_decode_scores_kernel", "_prefill_scores_kernel"}
 ATTENTION_KERNELS = {"_decode_kernel", "_merge_kernel", "_prefill_kernel", *SCORE_KERNELS}
 LAYER_KERNELS = {"_rms_norm_kernel", "_add_rms_norm_kernel", "_act_mul_kernel"}
 QUANT_KERNELS = {"_quant_gemv_kernel", "_quant_matmul_kernel", "_dequantize_rows_kernel"}
-# Variants a part or cache group may compile per kernel (else 1).
-TILES = {"_quant_matmul_kernel": 2, "_write_quantized_kernel": 2}
+# Variants a part or cache group may compile per kernel (else 1): the GEMV one per step size
+# rounded up to a power of 2 (1, 2, 4 rows), the matmul its two tiles, a quantized cache's write
+# kernel two.
+TILES = {"_quant_gemv_kernel": 3, "_quant_matmul_kernel": 2, "_write_quantized_kernel": 2}
 # The models of each cache layout, and the KV dtypes a cache may be served in.
 LAYOUTS = {"gqa": {"SmolLM2-135M", "Llama-3-8B"}, "ring": {"Gemma-3-270M"},
            "mla": {"DeepSeek-V3"}}  # fmt: skip
