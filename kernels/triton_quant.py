@@ -22,7 +22,9 @@ kernels, over the same buffers; ``swap_modules`` puts them in a model (``TritonB
 
 A matrix is a tuple of parts stacked by output rows (``kernels.weights.Parts``); each part is
 one launch writing its own columns of y, so parts of different formats need no conversion.
-Weights enter the product rounded to the activations' dtype, as in ``QuantLinear.forward``.
+The matmul's weights enter its dot rounded to the activations' dtype, as in
+``QuantLinear.forward``; the GEMV multiplies them in fp32 as dequantized (rounding each value to
+16 bits and back would cost two of its ~7 instructions a value, and it is instruction-bound).
 """
 
 from __future__ import annotations
@@ -240,9 +242,7 @@ def _gemv_q4_k(x_rows, x_ok, w_rows, row_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: 
         x_in = x_ok & (at < K)
         x0 = tl.load(x_at, mask=x_in, other=0.0)
         x1 = tl.load(x_at + 32, mask=x_in, other=0.0)
-        w0 = w0.to(x0.dtype).to(tl.float32)[None]
-        w1 = w1.to(x0.dtype).to(tl.float32)[None]
-        acc += x0.to(tl.float32) * w0 + x1.to(tl.float32) * w1
+        acc += x0.to(tl.float32) * w0[None] + x1.to(tl.float32) * w1[None]
     return tl.sum(tl.sum(acc, axis=3), axis=2)
 
 
@@ -279,9 +279,7 @@ def _gemv_q6_k(x_rows, x_ok, w_rows, row_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: 
         x_in = x_ok & (at < K)
         x0 = tl.load(x_at, mask=x_in, other=0.0)
         x1 = tl.load(x_at + 64, mask=x_in, other=0.0)
-        w0 = w0.to(x0.dtype).to(tl.float32)[None]
-        w1 = w1.to(x0.dtype).to(tl.float32)[None]
-        acc += x0.to(tl.float32) * w0 + x1.to(tl.float32) * w1
+        acc += x0.to(tl.float32) * w0[None] + x1.to(tl.float32) * w1[None]
     return tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2)
 
 
@@ -307,7 +305,7 @@ def _gemv_any(
         w = _dequantize(w_tile, row_off, row_ok, k0, K, FMT, QK, BLOCK_BYTES, BLOCK_N, BLOCK_K)
         k = k0 + rk
         x = tl.load(x_rows + k, mask=x_ok & (k < K), other=0.0)
-        acc += x.to(tl.float32) * w.to(x.dtype).to(tl.float32)[None]
+        acc += x.to(tl.float32) * w[None]
     return tl.sum(acc, axis=2)
 
 
@@ -400,24 +398,34 @@ class Tile:
 GEMV_ROWS = 4
 
 
-def gemv_tile(rows: int) -> Tile:
+def gemv_tile(rows: int, n: int) -> Tile:
     """The step's rows rounded up to a power of 2 (1, 2 or 4: a one-row decode multiplies no
-    padding), 16 output features a program, values in steps of 256 (a k-quant block)."""
-    return Tile(triton.next_power_of_2(rows), 16, 256, 4 if rows == 1 else 8)
+    padding); 8 output features a program, 16 where there are enough features to keep every
+    multiprocessor busy with several programs; values in steps of 512 for one row (two k-quant
+    blocks: the fastest of a sweep on an H200 over Qwen2.5-1.5B's matrices, bench/results/
+    gpu-h200-2026-11-28-c), fewer for more rows, so that the products a thread holds stay at
+    one row's count (no spills on sm_90)."""
+    block_m = triton.next_power_of_2(rows)
+    return Tile(block_m, 16 if n >= 8192 else 8, max(128, 512 // block_m), 4)
 
 
 ROWS_TILE = 128  # elements a row dequantizer program writes
 
 
-def matmul_tile(rows: int, dtype: torch.dtype) -> Tile:
+def matmul_tile(rows: int, dtype: torch.dtype, n: int) -> Tile:
     """16 rows up to 64 (a batch of decodes: more programs over N), 64 above (a prefill: each
-    dequantized weight tile serves more rows). Held free of register spills on sm_90 and sm_80
+    dequantized weight tile serves more rows); 64 x 128 for matrices of 8192 outputs and more,
+    which keep the multiprocessors busy with those and read each weight tile for 64 rows (the
+    fastest of a sweep at 64 rows on an H200, bench/results/gpu-h200-2026-11-28-c; 16 x 64
+    steps of 128 values for the narrower ones). Held free of register spills on sm_90 and sm_80
     by ``tests/kernels/test_kernel_variants.py``: fp32 tiles are narrower (their operands are
     twice as wide, and tf32x3 splits each in two; 64 x 64 spills on sm_80), and the 64-row
-    16-bit one takes 8 warps (with 4 it needs ~230 registers on sm_90)."""
+    16-bit ones take 8 warps (with 4 they need ~230 registers on sm_90)."""
     if dtype == torch.float32:
         return Tile(16, 32, 64, 4) if rows <= 64 else Tile(64, 32, 32, 4)
-    return Tile(16, 64, 64, 4) if rows <= 64 else Tile(64, 64, 64, 8)
+    if n >= 8192:
+        return Tile(64, 128, 64, 8, 3)
+    return Tile(16, 64, 128, 4, 3) if rows <= 64 else Tile(64, 64, 64, 8)
 
 
 def _interpreted() -> bool:
@@ -471,10 +479,10 @@ def linear_launches(
         args = (x2, data, bias, y, m, n, k, x2.stride(0), data.stride(0), y.stride(0))
         params = dict(**_format_params(part), HAS_BIAS=has_bias)
         if m <= GEMV_ROWS:
-            kernel, chosen = _quant_gemv_kernel, tile or gemv_tile(m)
+            kernel, chosen = _quant_gemv_kernel, tile or gemv_tile(m, n)
             grid = (triton.cdiv(n, chosen.block_n),)
         else:
-            kernel, chosen = _quant_matmul_kernel, tile or matmul_tile(m, x.dtype)
+            kernel, chosen = _quant_matmul_kernel, tile or matmul_tile(m, x.dtype, n)
             grid = (triton.cdiv(m, chosen.block_m), triton.cdiv(n, chosen.block_n))
             params.update(_precision(x.dtype))
         params.update(
