@@ -398,15 +398,23 @@ class Tile:
 GEMV_ROWS = 4
 
 
-def gemv_tile(rows: int, n: int) -> Tile:
+def gemv_tile(rows: int, n: int, fmt: str) -> Tile:
     """The step's rows rounded up to a power of 2 (1, 2 or 4: a one-row decode multiplies no
-    padding); 8 output features a program, 16 where there are enough features to keep every
-    multiprocessor busy with several programs; values in steps of 512 for one row (two k-quant
-    blocks: the fastest of a sweep on an H200 over Qwen2.5-1.5B's matrices, bench/results/
-    gpu-h200-2026-11-28-c), fewer for more rows, so that the products a thread holds stay at
-    one row's count (no spills on sm_90)."""
+    padding), 4 warps. A matrix of 8192 outputs and more has programs enough for every
+    multiprocessor at 8 features a program (16 for more rows), and steps of 512 values for one
+    row, fewer for more; a narrower one (Qwen2.5's down projection: 1536 outputs of 8960
+    values) has fewer programs, each streaming a longer row, and takes steps of 1024 values
+    for 1 or 2 rows. Each is the fastest of a sweep on an H200 over Qwen2.5-1.5B's q4_k, q6_k
+    and q8_0 matrices (bench/results/gpu-h200-2026-11-28-c), within what keeps every variant
+    free of register spills on sm_90: the other formats' dequantization holds more registers
+    (q5_0 spills at 1024), so they step 512 values at most, and 4 rows of a narrow matrix 256
+    (512, the fastest, spills q6_k's under triton 3.6)."""
     block_m = triton.next_power_of_2(rows)
-    return Tile(block_m, 16 if n >= 8192 else 8, max(128, 512 // block_m), 4)
+    if n >= 8192:
+        return Tile(block_m, 8 if block_m == 1 else 16, max(128, 512 // block_m), 4)
+    if block_m == 4:
+        return Tile(block_m, 8, 256, 4)
+    return Tile(block_m, 8, 1024 if fmt in ("q4_k", "q6_k", "q8_0") else 512, 4)
 
 
 ROWS_TILE = 128  # elements a row dequantizer program writes
@@ -479,7 +487,7 @@ def linear_launches(
         args = (x2, data, bias, y, m, n, k, x2.stride(0), data.stride(0), y.stride(0))
         params = dict(**_format_params(part), HAS_BIAS=has_bias)
         if m <= GEMV_ROWS:
-            kernel, chosen = _quant_gemv_kernel, tile or gemv_tile(m, n)
+            kernel, chosen = _quant_gemv_kernel, tile or gemv_tile(m, n, part.format)
             grid = (triton.cdiv(n, chosen.block_n),)
         else:
             kernel, chosen = _quant_matmul_kernel, tile or matmul_tile(m, x.dtype, n)

@@ -394,6 +394,7 @@ class Resources:
     stack: int  # stack frame bytes per thread: where ptxas puts the registers it spills
     async_copies: int  # cp.async instructions in the PTX: global loads copied to shared memory
     in_flight: int  # most copy groups a cp.async.wait_group leaves outstanding (0: none)
+    wide_loads: int  # global loads of 16 bytes a thread (ld.global.v4.b32) in the PTX
 
 
 def _async_copies(ptx: str) -> tuple[int, int]:
@@ -459,10 +460,13 @@ class Specializer:
     def compile(self, variant: Variant) -> Resources:
         compiled = self.compiled(variant)
         used = _resource_usage(compiled.asm["cubin"])
-        copies, in_flight = _async_copies(compiled.asm["ptx"])
+        ptx = compiled.asm["ptx"]
+        copies, in_flight = _async_copies(ptx)
+        wide = len(re.findall(r"\bld\.global(?:\.[\w:]+)*\.v4\.b32\b", ptx))
         return Resources(
-            compiled.metadata.shared + used["SHARED"], used["REG"], used["STACK"], copies, in_flight
-        )
+            compiled.metadata.shared + used["SHARED"], used["REG"], used["STACK"], copies,
+            in_flight, wide,
+        )  # fmt: skip
 
 
 def unavailable() -> str | None:
@@ -535,10 +539,17 @@ def collect(target_name: str) -> list[dict]:
         dict(
             model=model, dtype=dtype, kv=kv, target=target_name, group=group, kernel=kernel,
             variant=_variant_id(key), launches=launches, max_shared=target.max_shared,
-            num_stages=variants[key].options["num_stages"], **asdict(resources[key]),
+            num_stages=variants[key].options["num_stages"], params=_params(variants[key]),
+            **asdict(resources[key]),
         )
         for (model, dtype, kv, group, kernel, key), launches in counts.items()
     ]  # fmt: skip
+
+
+def _params(variant: Variant) -> dict:
+    """The variant's constexprs by name (numbers, flags and strings: what JSON carries)."""
+    names = variant.kernel.arg_names
+    return {names[at[0]]: v for at, v in variant.constexprs.items() if isinstance(v, (int, str))}
 
 
 def config(row: dict) -> str:

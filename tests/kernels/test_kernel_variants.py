@@ -222,6 +222,16 @@ def test_attention_kernels_pipeline_their_kv_loads(rows):
     assert not serial, named(serial)
 
 
+def test_q4_k_gemv_reads_its_quants_in_16_byte_loads(rows):
+    # A one-row decode is bound by the weight's bytes: its quants must come in 16-byte loads,
+    # not a byte at a time. q4_k's blocks (144 bytes, quants at 16) are the aligned ones. (With
+    # 2 or 4 rows a program's tile holds 8 bytes of quants a thread: those load 8 at a time.)
+    gemv = [r for r in rows if r["kernel"] == "_quant_gemv_kernel" and r["group"].endswith("q4_k")]
+    one_row = [r for r in gemv if r["params"]["BLOCK_M"] == 1]
+    narrow = [r for r in one_row if r["wide_loads"] == 0]
+    assert one_row and not narrow, kernel_variants.table(narrow)
+
+
 def test_one_variant_per_model_dtype_group_and_kernel(rows):
     variants = defaultdict(set)
     for r in rows:
