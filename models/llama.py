@@ -42,6 +42,16 @@ def attention_biases(cfg: ModelConfig) -> tuple[bool, bool]:
 OFFSET_POSITIONS = 4096
 
 
+def rotated_bias_mean(bias: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """A key bias [Hkv, D] rotated (half-split rotary at ``inv_freq``) by the average rotation
+    of positions 0 .. OFFSET_POSITIONS - 1: the constant ``center_keys`` takes off cached keys."""
+    angle = torch.arange(OFFSET_POSITIONS, dtype=torch.float64)[:, None] * inv_freq.double()
+    c, s = angle.cos().mean(0).float(), angle.sin().mean(0).float()
+    half = bias.shape[-1] // 2
+    b1, b2 = bias[:, :half], bias[:, half:]
+    return torch.cat([b1 * c - b2 * s, b2 * c + b1 * s], -1)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -79,11 +89,7 @@ class LlamaAttention(nn.Module):
         ])  # fmt: skip
         nq, nk, _ = self.qkv_sizes
         b = bias[nq : nq + nk].view(self.num_kv_heads, self.head_dim)
-        angle = torch.arange(OFFSET_POSITIONS, dtype=torch.float64)[:, None] * inv_freq.double()
-        c, s = angle.cos().mean(0).float(), angle.sin().mean(0).float()
-        half = self.head_dim // 2
-        b1, b2 = b[:, :half], b[:, half:]
-        self.key_offset = torch.cat([b1 * c - b2 * s, b2 * c + b1 * s], -1).to(bias.device)
+        self.key_offset = rotated_bias_mean(b, inv_freq).to(bias.device)
         return self.key_offset
 
     def project(self, x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
