@@ -198,10 +198,10 @@ def _quant_matmul_kernel(
 
 @triton.jit
 def _gemv_q4_k(x_rows, x_ok, w_rows, row_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """q4_k's part of a GEMV, [BLOCK_M, BLOCK_N, C, 32] products to sum, in the blocks' own
-    order: chunk t of a block is quant bytes [32 t, 32 t + 32), whose low nibbles are values
-    64 t + l and high nibbles 64 t + 32 + l (sub-blocks 2 t and 2 t + 1). Each chunk's 32 bytes
-    are one 16-byte-aligned run (blocks of 144 bytes, quants at 16), read as wide loads; the
+    """q4_k's part of a GEMV, [BLOCK_M, BLOCK_N] sums, in the blocks' own order: chunk t of a
+    block is quant bytes [32 t, 32 t + 32), whose low nibbles are values 64 t + l and high
+    nibbles 64 t + 32 + l (sub-blocks 2 t and 2 t + 1). Each chunk's 32 bytes are one
+    16-byte-aligned run (blocks of 144 bytes, quants at 16), read as wide loads; the
     activations are gathered in the same order instead of the weights reordered."""
     C: tl.constexpr = BLOCK_K // 64
     chunk = tl.arange(0, C)[None, :, None]  # [1, C, 1]

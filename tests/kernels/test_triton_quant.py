@@ -106,6 +106,16 @@ def test_linear_in_16_bit_rounds_weights_as_the_reference(fmt, rows, dtype):
     _assert_close(triton_quant.linear(x, (w,)), x, (w,))
 
 
+@pytest.mark.parametrize("rows", [1, 2, DECODE])
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q8_0"])
+def test_gemv_steps_over_rows_longer_than_its_tile(fmt, rows):
+    # Six k-quant blocks: more than one step of the GEMV's tile, the last one partial.
+    w = _weight(fmt, 13, 1536, seed=11)
+    x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    assert 1536 > triton_quant.gemv_tile(rows, 13, fmt).block_k
+    _assert_close(triton_quant.linear(x, (w,)), x, (w,))
+
+
 @pytest.mark.parametrize("rows", [1, triton_quant.GEMV_ROWS, PREFILL])
 def test_mixed_format_parts_stack_by_output_rows(rows):
     # As a Q4_K_M file keeps v in q6_k beside q and k in q4_k; a part without a bias.
