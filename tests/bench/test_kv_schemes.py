@@ -69,3 +69,13 @@ def test_a_querys_own_block_is_read_unquantized(tiny):
     # Two blocks of 8: the first 16 queries read none quantized, the 17th its first 8 keys.
     assert torch.allclose(two[:16], expected[:16], atol=1e-4, rtol=1e-4)
     assert not torch.allclose(two[16], expected[16], atol=1e-3)
+
+
+def test_coded_scales_keep_every_value_within_a_step_of_its_channels_range():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 2, 64, 16, generator=gen) * 3 + torch.randn(1, 2, 1, 16, generator=gen) * 20
+    got = kv_schemes.per_channel(x, group=32, coded=True)
+    g, q = x.view(1, 2, 2, 32, 16), got.view(1, 2, 2, 32, 16)
+    step = (g.amax(3, keepdim=True) - g.amin(3, keepdim=True)) / 15
+    assert ((q - g).abs() <= step).all()  # nothing clipped beyond its channel's range
+    assert not torch.equal(got, kv_schemes.per_channel(x, group=32))  # 8-bit codes round
