@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from bench.cpu import cpu_model
-from bench.quality import load_text
+from bench.quality import Divergence, kl_rows, load_text
 from kernels import kv_quant
 from models.fetch import resolve_model
 from models.llama import rotated_bias_mean
@@ -232,18 +232,16 @@ def measure(model, attention, ids: list[int], chosen: list[Scheme]) -> list[dict
     s = sides()
     reference = logprobs(Scheme(s["f32"], s["f32"]))
     ppl_ref = math.exp(-reference.gather(1, target).mean().item())
-    d = model.config.head_dim if hasattr(model.config, "head_dim") else None
-    d = d or model.config.hidden_size // model.config.num_attention_heads
+    d = model.model.layers[0].self_attn.head_dim
     results = []
     for scheme in chosen:
         start = time.perf_counter()
         got = logprobs(scheme)
-        kld = (reference.exp() * (reference - got)).sum(-1)
+        div = Divergence.of(*(x.double().numpy() for x in kl_rows(reference, got)))
         bits = (scheme.key.bits(d) + scheme.value.bits(d)) / 2
         results.append(dict(
             scheme=scheme.name, key_bits=scheme.key.bits(d), value_bits=scheme.value.bits(d),
-            capacity=32 / bits, kld=kld.mean().item(), kld_p99=kld.quantile(0.99).item(),
-            top1=(got.argmax(-1) == reference.argmax(-1)).float().mean().item(),
+            capacity=32 / bits, kld=div.kld_mean, kld_p99=div.kld_p99, top1=div.top1,
             ppl=math.exp(-got.gather(1, target).mean().item()), ppl_ref=ppl_ref,
         ))  # fmt: skip
         r = results[-1]
