@@ -23,12 +23,12 @@ from engine.core.context_overflow import (
 from engine.core.preemption import PREEMPTION_MODES
 from engine.core.speculation import SPECULATIVE_METHODS, SpeculativeConfig
 from engine.kv_events import KVEventsConfig
-from engine.worker.config import RunnerConfig, resolve_device
+from engine.worker.config import RunnerConfig, auto_kv_dtype, resolve_device
 from kernels.backend import backend_names, default_backend
 from kernels.weights import QUANTIZABLE
 from models.config import ModelConfig
 from models.fetch import resolve_model
-from models.kv_spec import DTYPES, KV_DTYPES
+from models.kv_spec import DTYPES, KV_DTYPES, is_kv_dtype, kv_pair
 
 ENGINE = "engine"
 OVERFLOW = "overflow policies (a request may override the context one)"
@@ -70,8 +70,16 @@ class EngineArgs:
         "KV cache storage (auto: float16 for a float32 model, else the model's dtype); int8 "
         "and fp8_e4m3 keep a float32 scale per token and head (a bit over a quarter of "
         "float32's bytes), int4 a float16 scale per 32 values (about a seventh); quantized "
-        "rows are stored Hadamard-rotated",
-        choices=("auto", *KV_DTYPES),
+        "rows are stored Hadamard-rotated; K/V, two of the quantized ones, stores keys in K "
+        "and values in V (int8/int4, as llama.cpp's -ctk q8_0 -ctv q4_0)",
+        metavar="{auto," + ",".join(KV_DTYPES) + ",K/V}",
+    )
+    kv_cache_dtype_skip_layers: str | None = setting(
+        None,
+        "layers whose cache keeps auto's dtype whatever --kv-cache-dtype says: sliding_window "
+        "(a model's local layers, which hold a window's tokens only)",
+        choices=("sliding_window",),
+        when_none="none",
     )
     device: str = setting("auto", "auto, cpu, cuda or cuda:N")
     block_size: int = setting(16, "tokens per KV block (a power of two)")
@@ -252,6 +260,8 @@ class EngineArgs:
     )
 
     def __post_init__(self) -> None:
+        if "/" in self.kv_cache_dtype:
+            kv_pair(self.kv_cache_dtype)  # says what a pair may be
         checks = [
             (_power_of_two(self.block_size), "block_size"),
             (self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks"),
@@ -263,7 +273,11 @@ class EngineArgs:
             (self.tensor_parallel_size > 0, "tensor_parallel_size"),
             (self.max_num_batched_tokens > 0, "max_num_batched_tokens"),
             (self.dtype is None or self.dtype in DTYPES, "dtype"),
-            (self.kv_cache_dtype in ("auto", *KV_DTYPES), "kv_cache_dtype"),
+            (self.kv_cache_dtype == "auto" or is_kv_dtype(self.kv_cache_dtype), "kv_cache_dtype"),
+            (
+                self.kv_cache_dtype_skip_layers in (None, "sliding_window"),
+                "kv_cache_dtype_skip_layers",
+            ),
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device"),
             (self.attention_backend in (None, *backend_names()), "attention_backend"),
             (self.preemption_mode in PREEMPTION_MODES, "preemption_mode"),
@@ -336,6 +350,7 @@ class EngineArgs:
             eos_token_ids,
             self.quantization,
             self.kv_dtype(dtype),
+            self.kv_cache_dtype_skip_layers == "sliding_window",
             self.scores_kept,
             self.repack_weights,
         )
@@ -344,13 +359,6 @@ class EngineArgs:
         """The KV cache's dtype for a model served in ``dtype`` (``--kv-cache-dtype auto``
         resolved)."""
         return auto_kv_dtype(dtype) if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
-
-
-def auto_kv_dtype(dtype: str) -> str:
-    """``--kv-cache-dtype auto``: float16 for a float32 model (measured on Qwen2.5-Coder-0.5B:
-    mean KL divergence 2.4e-6 from float32 keys and values, bench/results/kv-cache-*.md, at
-    half the bytes), else the model's dtype."""
-    return "float16" if dtype == "float32" else dtype
 
 
 def _settings(cls: type = EngineArgs) -> dict[str, tuple[dataclasses.Field, Setting]]:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.args import auto_kv_dtype
 from engine.core.config import GIB, CacheConfig, split_memory
+from engine.worker.config import auto_kv_dtype
 from engine.worker.disk_tier import disk_pool_sizes
 from models.config import ModelConfig
 from models.fetch import resolve_model
-from models.kv_spec import MLASpec
+from models.kv_spec import MLASpec, sliding_window_in
 from models.loader import model_class, stored_weight_bytes
 from models.tensor_parallel import TPRank, shard_config
 
@@ -106,6 +106,7 @@ def make_plan(
     weight_dtype: str = "float32",
     quantization: str | None = None,
     kv_cache_dtype: str | None = None,
+    kv_skip_sliding: bool = False,
     kv_host_cache_gib: float = 0.0,
     kv_disk_cache_gib: float = 0.0,
 ) -> Plan:
@@ -115,6 +116,8 @@ def make_plan(
     rank_cfg = shard_config(cfg, TPRank(0, tensor_parallel_size))
     kv_dtype = kv_cache_dtype or auto_kv_dtype(dtype)
     groups = model_class(cfg).kv_cache_groups(rank_cfg, kv_dtype)
+    if kv_skip_sliding:
+        groups = sliding_window_in(groups, auto_kv_dtype(dtype))
     max_len = max_model_len or cfg.max_position_embeddings
     memory = int(kv_cache_memory_gib * GIB)
     blocks = split_memory(groups, memory, block_size, max_len)

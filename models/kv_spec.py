@@ -10,8 +10,9 @@ Per-layer cache tensors (allocated by the model runner, read by ``kernels``):
 - ``MLASpec``: one tensor ``[num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]``;
   the value is the view ``[..., :kv_lora_rank]`` of the same rows (MQA over latents).
 
-A spec's ``dtype`` is the cache's (``KV_DTYPES``); a quantized one stores each head's row in
-``row_bytes`` bytes, its scales inside the row, so a block stays the unit everything moves.
+A spec's ``dtype`` is the cache's (``KV_DTYPES``), or a key/value pair of quantized ones
+(``int8/int4``: keys in int8, values in int4; ``kv_pair``); a quantized one stores each head's
+row in ``row_bytes`` bytes, its scales inside the row, so a block stays the unit everything moves.
 
 Sliding window as a ring: a sequence holds at most ``ring_len = ceil(window / block_size) + 1``
 blocks, and position p lives in ``table[(p // block_size) % ring_len]``::
@@ -24,7 +25,7 @@ blocks, and position p lives in ``table[(p // block_size) % ring_len]``::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import ceil
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
@@ -35,6 +36,36 @@ DTYPES = ("float32", "bfloat16", "float16")  # what models and caches can be ser
 QUANTIZED_KV = ("int8", "fp8_e4m3", "int4")
 KV_DTYPES = DTYPES + QUANTIZED_KV
 INT4_GROUP = 32
+
+
+def kv_pair(dtype: str) -> tuple[str, str]:
+    """The key and value caches' dtypes of a spec's ``dtype``: ``"int8/int4"`` -> ("int8",
+    "int4"), ``"int8"`` -> ("int8", "int8"). Raises for a pair that is not of two quantized
+    dtypes (a float cache gains nothing by keeping its halves apart)."""
+    key, _, value = dtype.partition("/")
+    if not value:
+        return dtype, dtype
+    if key not in QUANTIZED_KV or value not in QUANTIZED_KV:
+        raise ValueError(
+            f"a KV cache dtype pair is keys/values of {', '.join(QUANTIZED_KV)}, not {dtype!r}"
+        )
+    return key, value
+
+
+def is_kv_dtype(dtype: str) -> bool:
+    """Whether ``dtype`` names a cache: one of ``KV_DTYPES`` or a pair of quantized ones."""
+    if "/" not in dtype:
+        return dtype in KV_DTYPES
+    try:
+        kv_pair(dtype)
+    except ValueError:
+        return False
+    return True
+
+
+def keys_quantized(dtype: str) -> bool:
+    """Whether the keys of a cache of ``dtype`` are stored quantized."""
+    return kv_pair(dtype)[0] in QUANTIZED_KV
 
 
 def row_bytes(dtype: str, dim: int) -> int:
@@ -66,7 +97,7 @@ class FullAttentionSpec:
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token costs in one layer (K and V)."""
-        return 2 * self.num_kv_heads * row_bytes(self.dtype, self.head_dim)
+        return self.num_kv_heads * sum(row_bytes(d, self.head_dim) for d in kv_pair(self.dtype))
 
     def num_blocks(self, num_tokens: int, block_size: int) -> int:
         """Blocks a sequence of ``num_tokens`` cached tokens holds."""
@@ -104,6 +135,13 @@ class MLASpec:
     kv_lora_rank: int
     qk_rope_head_dim: int
     dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if "/" in self.dtype:
+            raise ValueError(
+                f"--kv-cache-dtype {self.dtype}: an MLA cache's values are a part of its key "
+                "rows, so keys and values have one dtype"
+            )
 
     @property
     def window(self) -> int:
@@ -145,3 +183,10 @@ class KVCacheGroup:
     def bytes_per_token(self) -> int:
         scores = 4 * self.score_heads if self.scored else 0
         return (self.spec.bytes_per_token + scores) * len(self.layer_ids)
+
+
+def sliding_window_in(groups: list[KVCacheGroup], dtype: str) -> list[KVCacheGroup]:
+    """``groups`` with the sliding-window layers' caches in ``dtype`` (``--kv-cache-dtype-skip-
+    layers sliding_window``: a model's local layers kept at a higher precision than its global
+    ones, as vLLM's flag of that name keeps them)."""
+    return [replace(g, spec=replace(g.spec, dtype=dtype)) if g.spec.window else g for g in groups]

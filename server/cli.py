@@ -131,8 +131,8 @@ def check_model(args: EngineArgs) -> None:
 
     try:
         cfg = ModelConfig.from_dir(resolve_model(args.model))
-        kv_dtype = args.runner_config(cfg).kv_dtype
-        sum(g.bytes_per_token for g in model_class(cfg).kv_cache_groups(cfg, kv_dtype))
+        groups = args.runner_config(cfg).kv_cache_groups(model_class(cfg), cfg)
+        sum(g.bytes_per_token for g in groups)
         args.default_overflow().check_limit(args.max_model_len or cfg.max_position_embeddings)
     except (ValueError, OSError, RuntimeError) as e:
         fail("serve", e)
@@ -164,7 +164,9 @@ def plan(args: EngineArgs) -> int:
     result = make_plan(
         args.model, args.kv_cache_memory_gib, args.max_model_len, args.block_size, args.dtype,
         args.tensor_parallel_size, quantization=args.quantization,
-        kv_cache_dtype=args.kv_dtype(args.dtype), kv_host_cache_gib=args.kv_host_cache_gib,
+        kv_cache_dtype=args.kv_dtype(args.dtype),
+        kv_skip_sliding=args.kv_cache_dtype_skip_layers == "sliding_window",
+        kv_host_cache_gib=args.kv_host_cache_gib,
         kv_disk_cache_gib=args.kv_disk_cache_gib,
     )  # fmt: skip
     print(format_plan(result))

@@ -24,7 +24,7 @@ from kernels.kv_quant import KV_DTYPES, check_prefix
 from kernels.paged import ForwardContext
 from kernels.rotary import RopeLayout
 from models.interface import CausalLM
-from models.kv_spec import QUANTIZED_KV, KVCacheGroup, MLASpec, row_bytes
+from models.kv_spec import KVCacheGroup, MLASpec, keys_quantized, kv_pair, row_bytes
 from models.layers import use_backend
 from models.loader import load_model
 from models.tensor_parallel import NO_TP, TPRank, shard_config
@@ -77,7 +77,7 @@ class ModelRunner:
         self.cpu_kernels = not_model_kernels or self._cpu_kernels(swapped)
         self.groups: list[KVCacheGroup] = [
             replace(g, scored=config.kv_scores and not g.spec.window)
-            for g in self.model.kv_cache_groups(model_config, config.kv_dtype)
+            for g in config.kv_cache_groups(type(self.model), model_config)
         ]
         layer_to_group = [0] * model_config.num_layers
         for gi, g in enumerate(self.groups):
@@ -92,7 +92,8 @@ class ModelRunner:
         self.host_scores: list[torch.Tensor | None] | None = None
         self.disk: DiskStore | None = None  # the disk tier, over the host pool
         self.cache_config: CacheConfig | None = None
-        if config.kv_dtype in QUANTIZED_KV and hasattr(self.model, "center_cached_keys"):
+        quantized = any(keys_quantized(g.spec.dtype) for g in self.groups)
+        if quantized and hasattr(self.model, "center_cached_keys"):
             self.model.center_cached_keys()  # a quantized row's scale then spans less
         # How each layer's cached keys were rotated; None: the model cannot shift its cache.
         rope = [self.model.cached_key_rope(i) for i in range(model_config.num_layers)]
@@ -194,19 +195,22 @@ class ModelRunner:
         block_size = self.cache_config.block_size
         # The host pool is only touched by swaps: empty() leaves its pages unmapped until then.
         new = torch.zeros if device is None else torch.empty
-        dtype = KV_DTYPES[spec.dtype]
-        kw = dict(dtype=dtype, device=device or self.device)
-        if pin:
-            kw["pin_memory"] = True
-        per_value = dtype.itemsize
+
+        def cache(dtype: str, dim: int, heads: int) -> torch.Tensor:
+            torch_dtype = KV_DTYPES[dtype]
+            row = row_bytes(dtype, dim) // torch_dtype.itemsize
+            kw = dict(dtype=torch_dtype, device=device or self.device, pin_memory=pin)
+            return new((n, block_size, heads, row), **kw)
+
         if isinstance(spec, MLASpec):
-            check_prefix(dtype, spec.row_width, spec.kv_lora_rank)
-            cache = new(n, block_size, 1, row_bytes(spec.dtype, spec.row_width) // per_value, **kw)
+            check_prefix(KV_DTYPES[spec.dtype], spec.row_width, spec.kv_lora_rank)
+            rows = cache(spec.dtype, spec.row_width, 1)
             # A row's prefix is a row of its first values in every format (kernels.kv_quant).
-            return cache, cache[..., : row_bytes(spec.dtype, spec.kv_lora_rank) // per_value]
-        row = row_bytes(spec.dtype, spec.head_dim) // per_value
-        shape = (n, block_size, spec.num_kv_heads, row)
-        return new(shape, **kw), new(shape, **kw)
+            return rows, rows[..., : row_bytes(spec.dtype, spec.kv_lora_rank) // rows.itemsize]
+        key, value = kv_pair(spec.dtype)
+        return cache(key, spec.head_dim, spec.num_kv_heads), cache(
+            value, spec.head_dim, spec.num_kv_heads
+        )
 
     @torch.inference_mode()
     def apply_cache_ops(self, out: SchedulerOutput, draft: bool = False) -> None:

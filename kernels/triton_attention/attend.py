@@ -53,6 +53,7 @@ def _attend(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     KV: tl.constexpr,
+    KV_V: tl.constexpr,
     ALIGN: tl.constexpr,
 ):
     """Fold keys at positions [lo, hi) into the online softmax of the query rows.
@@ -64,8 +65,8 @@ def _attend(
     needs one table entry, a scalar, rather than one per key.
     ``q_pos`` are the rows' positions in the same coordinates, for the causal/window masks.
     SHARED_V: v is exactly the power-of-two part of k (MLA's latent), so the K tile is reused.
-    KV: the rows' format; quantized rows are bytes (``_load_values``), their starts a multiple
-    of ALIGN bytes apart.
+    KV: the key rows' format, KV_V the value rows' (KV's, or another quantized one); quantized
+    rows are bytes (``_load_values``), their starts a multiple of ALIGN bytes apart.
     The loop body is written out rather than split into helpers: the interpreter re-patches
     triton.language on every device-function call, which would dominate the test run time.
 
@@ -174,9 +175,9 @@ def _attend(
                 if KV != _INT4:
                     p = p * k_scale[None, :]
             else:
-                v = _load_values(v_ptr, v_off, valid, q1.dtype, 0, DV, BLOCK_DV, BLOCK_N, KV)
-                if KV != _INT4:
-                    p = p * _row_scale(v_ptr, v_off, valid, KV)[None, :]
+                v = _load_values(v_ptr, v_off, valid, q1.dtype, 0, DV, BLOCK_DV, BLOCK_N, KV_V)
+                if KV_V != _INT4:
+                    p = p * _row_scale(v_ptr, v_off, valid, KV_V)[None, :]
             p = p.to(v.dtype)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
     return acc, m_i, l_i

@@ -56,6 +56,7 @@ def _decode_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     KV: tl.constexpr,
+    KV_V: tl.constexpr,
     ALIGN: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -98,7 +99,8 @@ def _decode_kernel(
         PAGED=True, TILE_IN_BLOCK=not WINDOWED and BS % BLOCK_N == 0, SHARED_V=SHARED_V, BS=BS,
         RING=WINDOWED, CAUSAL=False, WINDOWED=False,
         D1=D1, D2=D2, DV=DV, BLOCK_N=BLOCK_N, BLOCK_D1=BLOCK_D1, BLOCK_D2=BLOCK_D2,
-        BLOCK_DV=BLOCK_DV, PRECISION=PRECISION, UPCAST=UPCAST, KV=KV, ALIGN=ALIGN,
+        BLOCK_DV=BLOCK_DV, PRECISION=PRECISION, UPCAST=UPCAST, KV=KV, KV_V=KV_V,
+        ALIGN=ALIGN,
     )  # fmt: skip
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

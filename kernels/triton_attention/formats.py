@@ -225,17 +225,20 @@ def _kernel_view(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.uint8)
 
 
-def _format_params(*caches: torch.Tensor) -> dict:
-    """KV, and ALIGN: the largest power of two up to 16 that every row start of the byte
-    caches divides by (their strides but the last), which Triton cannot see in strides that
-    are not multiples of 16 (an int8 row of 128 values takes 132 bytes)."""
+def _format_params(k_cache: torch.Tensor, *caches: torch.Tensor, values: bool = True) -> dict:
+    """KV (the keys' format), KV_V (the values', ``caches[0]``, where ``values``), and ALIGN:
+    the largest power of two up to 16 that every row start of the byte caches divides by
+    (their strides but the last), which Triton cannot see in strides that are not multiples
+    of 16 (an int8 row of 128 values takes 132 bytes)."""
+    caches = (k_cache, *caches)
     align = 16
     for cache in caches:
         if kv_quant.is_quantized(cache):
             for stride in cache.stride()[:-1]:
                 while stride % align:
                     align //= 2
-    return dict(KV=_format(caches[0]), ALIGN=align)
+    formats = dict(KV=_format(k_cache), KV_V=_format(caches[1])) if values else dict(KV=_format(k_cache))
+    return dict(**formats, ALIGN=align)
 
 
 def _dot_dtype(q: torch.Tensor, cache: torch.Tensor) -> torch.dtype:

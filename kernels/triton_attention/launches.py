@@ -40,6 +40,7 @@ from kernels.triton_attention.plans import (
     _v_is_k_prefix,
     launch_plan,
     prefill_tile,
+    tile_kv,
 )
 from kernels.triton_attention.prefill import _prefill_kernel, _prefill_scores_kernel
 
@@ -200,7 +201,7 @@ def _decode_scores_launch(
         GROUP=num_heads // num_kv_heads, HEAD_TILES=plan.head_tiles, BS=block_size, D1=d1,
         D2=d2, BLOCK_G=plan.tile.rows, BLOCK_N=plan.tile.block_n, BLOCK_D1=_pow2(d1),
         BLOCK_D2=_pow2(d2), BLOCK_S=SCORE_SPLITS, **_precision(_dot_dtype(q, k_cache)),
-        **_format_params(k_cache), num_warps=plan.tile.num_warps,
+        **_format_params(k_cache, values=False), num_warps=plan.tile.num_warps,
         num_stages=plan.tile.num_stages,
     )  # fmt: skip
     grid = (batch, num_kv_heads * plan.head_tiles, plan.num_splits)
@@ -267,7 +268,7 @@ def prefill_launches(
     group = num_heads // num_kv_heads
     dims = _dims(dk, dv)
     dtype = _dot_dtype(q, k_cache)
-    tile = tile or prefill_tile(dtype, dk, dv, group, k_cache.dtype)
+    tile = tile or prefill_tile(dtype, dk, dv, group, tile_kv(k_cache, v_cache))
     block_g = min(triton.next_power_of_2(group), tile.rows)
     block_q = tile.rows // block_g
     head_tiles = triton.cdiv(group, block_g)

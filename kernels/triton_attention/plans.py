@@ -56,6 +56,12 @@ class Tile:
     num_stages: int = 2
 
 
+def tile_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.dtype:
+    """The cache dtype a tile is sized for: int4's where either half is int4 (its tiles are
+    unpacked in registers, and take fewer of them), else the keys'."""
+    return torch.uint8 if torch.uint8 in (k_cache.dtype, v_cache.dtype) else k_cache.dtype
+
+
 def _dims(dk: int, dv: int) -> dict:
     d1, d2 = _split_head_dim(dk)
     return dict(D1=d1, D2=d2, DV=dv, BLOCK_D1=_pow2(d1), BLOCK_D2=_pow2(d2), BLOCK_DV=_pow2(dv))
@@ -206,7 +212,8 @@ def launch_plan(
     num_kv_heads = k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     dtype = _dot_dtype(q, k_cache)
-    tile = tile or decode_tile(dtype, q.shape[-1], group, k_cache.shape[1], window, k_cache.dtype)
+    kv = tile_kv(k_cache, v_cache)
+    tile = tile or decode_tile(dtype, q.shape[-1], group, k_cache.shape[1], window, kv)
     head_tiles = triton.cdiv(group, tile.rows)
     if num_splits is None:
         sms = device_sms(q.device) if sms is None else sms

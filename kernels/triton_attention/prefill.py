@@ -93,6 +93,7 @@ def _prefill_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     KV: tl.constexpr,
+    KV_V: tl.constexpr,
     ALIGN: tl.constexpr,
 ):
     seq, q_start, n, q0 = _query_tile(cu_ptr, num_seqs, BLOCK_Q, BLOCK_SEQS)
@@ -137,7 +138,8 @@ def _prefill_kernel(
         PAGED=True, TILE_IN_BLOCK=False, SHARED_V=SHARED_V, BS=BS, RING=WINDOWED, CAUSAL=False,
         WINDOWED=WINDOWED,
         D1=D1, D2=D2, DV=DV, BLOCK_N=BLOCK_N, BLOCK_D1=BLOCK_D1, BLOCK_D2=BLOCK_D2,
-        BLOCK_DV=BLOCK_DV, PRECISION=PRECISION, UPCAST=UPCAST, KV=KV, ALIGN=ALIGN,
+        BLOCK_DV=BLOCK_DV, PRECISION=PRECISION, UPCAST=UPCAST, KV=KV, KV_V=KV_V,
+        ALIGN=ALIGN,
     )  # fmt: skip
 
     # The chunk's own keys come from k/v (not yet in the cache), causally, by row index.
@@ -157,7 +159,8 @@ def _prefill_kernel(
         PAGED=False, TILE_IN_BLOCK=False, SHARED_V=SHARED_V_NEW, BS=BS, RING=False, CAUSAL=True,
         WINDOWED=WINDOWED,
         D1=D1, D2=D2, DV=DV, BLOCK_N=BLOCK_N, BLOCK_D1=BLOCK_D1, BLOCK_D2=BLOCK_D2,
-        BLOCK_DV=BLOCK_DV, PRECISION=PRECISION, UPCAST=UPCAST, KV=KV, ALIGN=ALIGN,
+        BLOCK_DV=BLOCK_DV, PRECISION=PRECISION, UPCAST=UPCAST, KV=KV, KV_V=KV_V,
+        ALIGN=ALIGN,
     )  # fmt: skip
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

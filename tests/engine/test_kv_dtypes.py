@@ -12,7 +12,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from kernels import kv_quant
-from models.kv_spec import QUANTIZED_KV, row_bytes
+from models.kv_spec import QUANTIZED_KV, kv_pair, row_bytes
 from tests.helpers import (
     generate_with_logits,
     random_prompt,
@@ -25,6 +25,7 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 DTYPES = ("float16", "bfloat16", "int8", "fp8_e4m3", "int4")
+PAIR = "int8/int4"  # keys in int8, values in int4 (``kv_pair``); not for MLA, whose are one
 VOCAB = 256
 # Head sizes int4 takes (multiples of 32); Qwen2-style biases, so keys are cached less their
 # offset; MLA rows of 64 + 64 (both rotated in blocks of 64).
@@ -61,15 +62,23 @@ def assert_pool_whole(llm: LLM) -> None:
     assert kv.num_free_host_blocks == kv.num_total_host_blocks
 
 
-@pytest.mark.parametrize("kv", DTYPES)
-@pytest.mark.parametrize("model", ["llama", "gemma3", "deepseek"])
+def cases(*models: str, pair: bool = True) -> list:
+    """(model, kv) of every dtype, and of the pair where the model's cache takes one."""
+    return [(m, kv) for m in models for kv in DTYPES] + [
+        (m, PAIR) for m in models if pair and m != "deepseek"
+    ]
+
+
+@pytest.mark.parametrize("model,kv", cases("llama", "gemma3", "deepseek"))
 def test_caches_are_stored_in_the_dtype_the_spec_counts(models, model, kv):
     llm = make(models / model, kv)
     runner = llm.engine.runner
     for group in runner.groups:
         assert group.spec.dtype == kv
         k_cache, v_cache = runner.kv_caches[group.layer_ids[0]]
-        assert k_cache.dtype == kv_quant.KV_DTYPES[kv]
+        key, value = kv_pair(kv)
+        assert k_cache.dtype == kv_quant.KV_DTYPES[key]
+        assert v_cache.dtype == kv_quant.KV_DTYPES[value]
         rows = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
         if v_cache.untyped_storage() is not k_cache.untyped_storage():
             rows += v_cache.shape[2] * v_cache.shape[3] * v_cache.element_size()
@@ -88,6 +97,37 @@ def test_auto_is_float16_for_a_float32_model(models):
     )
 
 
+def test_the_sliding_window_layers_keep_auto_dtype_where_told(models):
+    from engine.capacity import make_plan
+
+    llm = make(models / "gemma3", "int4", kv_cache_dtype_skip_layers="sliding_window")
+    runner = llm.engine.runner
+    dtypes = {bool(g.spec.window): g.spec.dtype for g in runner.groups}
+    assert dtypes == {True: "float16", False: "int4"}
+    for group in runner.groups:
+        k_cache, v_cache = runner.kv_caches[group.layer_ids[0]]
+        assert k_cache.dtype == v_cache.dtype == kv_quant.KV_DTYPES[group.spec.dtype]
+    plan = make_plan(
+        str(models / "gemma3"), 0.01, 128, 8, "float32", kv_cache_dtype="int4",
+        kv_skip_sliding=True,
+    )  # fmt: skip
+    assert sorted(row.dtype for row in plan.rows) == ["float16", "int4"]
+    prompt = random_prompt(40, VOCAB, seed=6)
+    assert len(tokens(llm.generate([prompt], greedy(20)))[0]) == 20
+    assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize("kv", ["int8/float16", "float16/int8", "int8/int9", "int8/int4/int4"])
+def test_a_pair_is_of_two_quantized_dtypes(models, kv):
+    with pytest.raises(ValueError, match="pair"):
+        make(models / "llama", kv)
+
+
+def test_an_mla_cache_takes_one_dtype(models):
+    with pytest.raises(ValueError, match="one dtype"):
+        make(models / "deepseek", PAIR)
+
+
 def test_int4_refuses_a_head_size_it_cannot_group(tmp_path):
     save_tiny_llama(tmp_path, vocab_size=VOCAB)  # head_dim 16
     with pytest.raises(ValueError, match="multiples of 32"):
@@ -97,12 +137,12 @@ def test_int4_refuses_a_head_size_it_cannot_group(tmp_path):
 @contextlib.contextmanager
 def quantized_hf_keys_and_values(hf, kv: str, offsets: list[torch.Tensor | None]):
     """transformers' Llama with every key (once rotated, less the layer's offset) and value read
-    back as a cache of ``kv`` gives it."""
+    back as a cache of ``kv`` (a dtype, or a key/value pair) gives it."""
     from transformers.models.llama import modeling_llama
 
-    dtype, layer = kv_quant.KV_DTYPES[kv], [0]
+    (key, value), layer = (kv_quant.KV_DTYPES[d] for d in kv_pair(kv)), [0]
 
-    def read_back(x, offset):  # x [B, H, T, D]
+    def read_back(x, offset, dtype):  # x [B, H, T, D]
         rows = x.transpose(1, 2)
         if offset is not None:
             rows = rows - offset
@@ -113,7 +153,7 @@ def quantized_hf_keys_and_values(hf, kv: str, offsets: list[torch.Tensor | None]
 
     def rotate(q, k, cos, sin, *args, **kwargs):
         q, k = original(q, k, cos, sin, *args, **kwargs)
-        return q, read_back(k, offsets[layer[0]])
+        return q, read_back(k, offsets[layer[0]], key)
 
     hooks = []
     for i, block in enumerate(hf.model.layers):
@@ -124,7 +164,7 @@ def quantized_hf_keys_and_values(hf, kv: str, offsets: list[torch.Tensor | None]
         def values(m, a, out, d=d):
             b, t = out.shape[:2]
             v = out.view(b, t, -1, d).transpose(1, 2)
-            return read_back(v, None).transpose(1, 2).reshape(b, t, -1)
+            return read_back(v, None, value).transpose(1, 2).reshape(b, t, -1)
 
         hooks.append(attn.v_proj.register_forward_hook(values))
     modeling_llama.apply_rotary_pos_emb = rotate
@@ -140,10 +180,11 @@ def quantized_hf_keys_and_values(hf, kv: str, offsets: list[torch.Tensor | None]
 # (the kernels' rotation sums in another order than the reference's matrix) moves a logit by
 # about one quantization step of the attention it feeds.
 TOLERANCE = {"float16": 1e-4, "bfloat16": 1e-3, "int8": 2e-3, "fp8_e4m3": 1e-2, "int4": 3e-2}
+TOLERANCE[PAIR] = TOLERANCE["int4"]
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
-@pytest.mark.parametrize("kv", DTYPES)
+@pytest.mark.parametrize("kv", [*DTYPES, PAIR])
 def test_logits_are_transformers_reading_the_same_quantized_keys_and_values(
     models, kv, backend, monkeypatch
 ):
@@ -154,7 +195,7 @@ def test_logits_are_transformers_reading_the_same_quantized_keys_and_values(
     results = generate_with_logits(llm, prompts, monkeypatch, max_tokens=12)
     attn = [layer.self_attn for layer in llm.engine.runner.model.model.layers]
     offsets = [a.key_offset for a in attn]
-    assert (kv in QUANTIZED_KV) == all(o is not None for o in offsets)
+    assert (kv_pair(kv)[0] in QUANTIZED_KV) == all(o is not None for o in offsets)
     hf = AutoModelForCausalLM.from_pretrained(models / "llama", dtype=torch.float32).eval()
     for prompt, (out, logits) in zip(prompts, results):
         ids = torch.tensor([prompt + out[:-1]])
@@ -189,8 +230,7 @@ def checkpoint_tensors(path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
-@pytest.mark.parametrize("kv", DTYPES)
-@pytest.mark.parametrize("model", ["llama", "gemma3", "deepseek"])
+@pytest.mark.parametrize("model,kv", cases("llama", "gemma3", "deepseek"))
 def test_prefix_caching_and_preemption_give_the_tokens_of_a_request_alone(models, model, kv):
     """A shared prefix read from cached quantized blocks, and requests preempted by swap or
     recompute, give the tokens each gets alone; the pools are whole after."""
@@ -208,8 +248,7 @@ def test_prefix_caching_and_preemption_give_the_tokens_of_a_request_alone(models
         assert_pool_whole(llm)
 
 
-@pytest.mark.parametrize("kv", DTYPES)
-@pytest.mark.parametrize("model", ["llama", "gemma3", "deepseek"])
+@pytest.mark.parametrize("model,kv", cases("llama", "gemma3", "deepseek"))
 def test_a_shifting_context_runs_on_quantized_keys_as_on_the_reference(models, model, kv):
     """Generation three times past max_model_len with context shift: the cpu backend (keys
     re-rotated by the reference, read by the kernels) gives the torch backend's tokens."""
@@ -239,7 +278,7 @@ def test_tensor_parallel_ranks_quantize_their_heads_as_one_rank_does(models, kv)
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("kv", ["float16", "int8", "int4"])
+@pytest.mark.parametrize("kv", ["float16", "int8", "int4", PAIR])
 def test_speculative_decoding_over_a_quantized_cache_keeps_the_tokens(models, kv):
     repeat = random_prompt(12, VOCAB, seed=4)
     prompts = [repeat * 3, random_prompt(30, VOCAB, seed=5)]
@@ -259,6 +298,10 @@ def test_a_quantized_block_costs_what_plan_says(models):
     (row,) = plan.rows
     assert row.dtype == "int8"
     assert row.bytes_per_token == 2 * 2 * row_bytes("int8", 32) * 2  # K, V x heads x layers
+    plan = make_plan(str(models / "llama"), 0.01, 128, 8, "float32", kv_cache_dtype=PAIR)
+    (row,) = plan.rows
+    assert row.dtype == PAIR
+    assert row.bytes_per_token == (row_bytes("int8", 32) + row_bytes("int4", 32)) * 2 * 2
 
 
 PROMPTS = (

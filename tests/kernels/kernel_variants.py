@@ -74,6 +74,10 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 KV_DTYPES = ("int8", "fp8_e4m3", "int4")
 KV_MODEL_DTYPE = "bf16"
 KV_MODELS = ("SmolLM2-135M", "Llama-3-8B", "Gemma-3-270M", "DeepSeek-V3")
+# Keys and values in two quantized dtypes (an MLA cache has one): int8 keys beside int4 values
+# read by one kernel, at head sizes 128 and Gemma 3's 256 (with its window ring).
+KV_PAIRS = ("int8/int4",)
+KV_PAIR_MODELS = ("Llama-3-8B", "Gemma-3-270M")
 
 # The config.json fields of the published checkpoints that shape attention, the cache and the
 # kernels of a layer around them (norms, the MLP's activation).
@@ -196,24 +200,25 @@ def _layer_tensors(
     two blocks: the block count changes no stride), and q, k, v of ``tokens`` new tokens as
     the models hand them to attention (in ``dtype``)."""
     from kernels.kv_quant import KV_DTYPES as CACHE_DTYPES
-    from models.kv_spec import MLASpec, row_bytes
+    from models.kv_spec import MLASpec, kv_pair, row_bytes
 
     new = dict(dtype=dtype, device="meta")
-    cache_dtype = CACHE_DTYPES[spec.dtype]
+    keys, values = kv_pair(spec.dtype)
 
-    def row(dim: int) -> int:
-        return row_bytes(spec.dtype, dim) // cache_dtype.itemsize
+    def cache(kv: str, dim: int, heads: int) -> torch.Tensor:
+        row = row_bytes(kv, dim) // CACHE_DTYPES[kv].itemsize
+        return torch.empty(2, block_size, heads, row, dtype=CACHE_DTYPES[kv], device="meta")
 
     if isinstance(spec, MLASpec):
         dk, dv, heads = spec.row_width, spec.kv_lora_rank, 1
     else:
         dk, dv, heads = spec.head_dim, spec.head_dim, spec.num_kv_heads
-    k_cache = torch.empty(2, block_size, heads, row(dk), dtype=cache_dtype, device="meta")
+    k_cache = cache(keys, dk, heads)
     k = torch.empty(tokens, heads, dk, **new)
     if isinstance(spec, MLASpec):
-        v_cache, v = k_cache[..., : row(dv)], k[..., :dv]
+        v_cache, v = k_cache[..., : row_bytes(keys, dv) // k_cache.itemsize], k[..., :dv]
     else:
-        v_cache, v = torch.empty_like(k_cache), torch.empty(tokens, heads, dv, **new)
+        v_cache, v = cache(values, dv, heads), torch.empty(tokens, heads, dv, **new)
     return (k_cache, v_cache), (torch.empty(tokens, num_heads, dk, **new), k, v)
 
 
@@ -519,6 +524,9 @@ def _recordings(target: Target) -> Iterator[tuple[str, str, str, Iterator]]:
     for model in KV_MODELS:
         for kv in KV_DTYPES:
             yield model, KV_MODEL_DTYPE, kv, record_launches(model, dtype, target.sms, kv)
+    for model in KV_PAIR_MODELS:
+        for kv in KV_PAIRS:
+            yield model, KV_MODEL_DTYPE, kv, record_launches(model, dtype, target.sms, kv)
 
 
 def collect(target_name: str) -> list[dict]:
@@ -554,14 +562,14 @@ def _params(variant: Variant) -> dict:
 
 def config(row: dict) -> str:
     """What a row was compiled for: its dtype, or the quantized KV dtype under it."""
-    return row["kv"] if row["kv"] in KV_DTYPES else row["dtype"]
+    return row["kv"] if row["kv"] in (*KV_DTYPES, *KV_PAIRS) else row["dtype"]
 
 
 def table(rows: list[dict]) -> str:
     """Markdown: per model, target and kernel (and all kernels together), the variants per dtype
     (and per quantized KV dtype, under the bf16 model) and the largest shared memory, registers
     and stack frame among them."""
-    configs = (*DTYPES, *KV_DTYPES)
+    configs = (*DTYPES, *KV_DTYPES, *KV_PAIRS)
     lines = [
         f"| model | target | kernel | variants {'/'.join(configs)} | max shared B (limit) "
         "| max registers | max stack B |",

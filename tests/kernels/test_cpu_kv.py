@@ -19,6 +19,7 @@ import torch
 
 from kernels import cpu, reference
 from kernels.backend import AttentionMetadata, get_backend
+from models.kv_spec import kv_pair
 from kernels.kv_quant import (
     GROUP_BYTES,
     KV_DTYPES,
@@ -33,6 +34,13 @@ why = cpu.load()
 pytestmark = pytest.mark.skipif(why is not None, reason=f"kernels.cpu unavailable: {why}")
 
 FORMATS = list(KV_DTYPES)
+# Keys and values in two quantized formats (models.kv_spec.kv_pair); an MLA cache has one.
+PAIRS = ["int8/int4", "int4/fp8_e4m3"]
+
+
+def cache_dtypes(fmt: str) -> tuple[torch.dtype, torch.dtype]:
+    """The key and value caches' dtypes of a format or pair."""
+    return tuple(KV_DTYPES[d] for d in kv_pair(fmt))
 NAN16 = torch.tensor([float("nan")], dtype=torch.float16).view(torch.uint8)
 NAN32 = torch.tensor([float("nan")]).view(torch.uint8)
 
@@ -57,19 +65,21 @@ def poisoned(shape: tuple[int, int, int], dim: int, dtype: torch.dtype, g) -> to
 
 
 def paged(lens, bs, heads, dims, dtype, window, seed, filled=None, shared_values=False):
-    """Key and value caches ([N, bs, heads, row] in ``dtype``, key rows of dims[0] values and
-    value rows of dims[1]) holding each sequence's context (its first ``filled`` positions,
-    default all of ``lens``) through a shuffled block table; poisoned elsewhere. With
-    ``shared_values`` the values are a prefix of the key rows (MLA)."""
+    """Key and value caches ([N, bs, heads, row] in ``dtype``, or the key and value dtypes of
+    a pair, key rows of dims[0] values and value rows of dims[1]) holding each sequence's
+    context (its first ``filled`` positions, default all of ``lens``) through a shuffled block
+    table; poisoned elsewhere. With ``shared_values`` the values are a prefix of the key rows
+    (MLA)."""
     g = torch.Generator().manual_seed(seed)
     width = max((n + bs - 1) // bs for n in lens) if not window else (window + bs - 1) // bs + 1
     n_blocks = len(lens) * width + 3
     dk, dv = dims
-    k_cache = poisoned((n_blocks, bs, heads), dk, dtype, g)
+    k_dtype, v_dtype = dtype if isinstance(dtype, tuple) else (dtype, dtype)
+    k_cache = poisoned((n_blocks, bs, heads), dk, k_dtype, g)
     if shared_values:
-        v_cache = k_cache[..., : row_width(dtype, dv)]
+        v_cache = k_cache[..., : row_width(k_dtype, dv)]
     else:
-        v_cache = poisoned((n_blocks, bs, heads), dv, dtype, g)
+        v_cache = poisoned((n_blocks, bs, heads), dv, v_dtype, g)
     tables = torch.randperm(n_blocks, generator=g)[: len(lens) * width].view(len(lens), width)
     for i, n in enumerate(lens if filled is None else filled):
         first = max(0, n - window) if window else 0
@@ -168,15 +178,17 @@ def tolerance(fmt: str) -> dict:
 
 
 @pytest.mark.parametrize("isa", cpu.isas())
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + PAIRS)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("dim,bs", [(64, 16), (32, 16), (64, 5)])
 def test_decode_attention_reads_what_the_reference_reads(isa, fmt, layout, dim, bs):
     hq, hkv, window, lens, mla = LAYOUTS[layout]
+    if mla and fmt in PAIRS:
+        pytest.skip("an MLA cache's values are a part of its key rows: one format")
     # MLA's key rows hold the values and a rotary part; int4 rotates both in blocks alike.
     dims = (dim + 64, dim) if mla else (dim, dim)
     k_cache, v_cache, tables, seq_lens = paged(
-        lens, bs, hkv, dims, KV_DTYPES[fmt], window, seed=dim + bs, shared_values=mla
+        lens, bs, hkv, dims, cache_dtypes(fmt), window, seed=dim + bs, shared_values=mla
     )
     q = torch.randn(len(lens), hq, dims[0], generator=torch.Generator().manual_seed(2))
     scale = dims[0] ** -0.5
@@ -190,6 +202,13 @@ def test_decode_attention_refuses_int4_values_rotated_in_other_blocks():
     k_cache, v_cache, tables, lens = paged([5], 4, 1, (96, 64), torch.uint8, 0, 0, None, True)
     with pytest.raises(RuntimeError, match="rotation blocks"):
         cpu.decode_attention(torch.randn(1, 2, 96), k_cache, v_cache, tables, lens, 0.1, 0)
+
+
+def test_decode_attention_refuses_a_float_half_beside_a_quantized_one():
+    dtypes = (torch.float16, torch.int8)
+    k_cache, v_cache, tables, lens = paged([5], 4, 1, (32, 32), dtypes, 0, 0)
+    with pytest.raises(RuntimeError, match="two quantized ones"):
+        cpu.decode_attention(torch.randn(1, 2, 32), k_cache, v_cache, tables, lens, 0.1, 0)
 
 
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4"])
@@ -336,7 +355,7 @@ def run_step(model, backend, inputs):
 
 
 @pytest.mark.parametrize("isa", cpu.isas())
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", [*FORMATS, PAIRS[0]])
 @pytest.mark.parametrize("model,seqs", STEPS)
 def test_fused_decoder_layers_match_the_modules_in_every_format(
     monkeypatch, tiny_model, isa, fmt, model, seqs
@@ -345,7 +364,7 @@ def test_fused_decoder_layers_match_the_modules_in_every_format(
     values as the cache gives them back, and their prefix from it."""
     monkeypatch.setenv(cpu.ISA_ENV, isa)
     cfg, plain, fast = tiny_model(model)
-    inputs = step_inputs(cfg, plain, seqs, KV_DTYPES[fmt])
+    inputs = step_inputs(cfg, plain, seqs, cache_dtypes(fmt))
     calls = []
     fused = cpu.decoder_layers
     monkeypatch.setattr(cpu, "decoder_layers", lambda *a: calls.append(1) or fused(*a))
@@ -357,7 +376,7 @@ def test_fused_decoder_layers_match_the_modules_in_every_format(
     # which may move a value to its neighbouring step in one cache and not the other; that step
     # then reaches the next layers' inputs. Such steps stay within FUSED_ATOL, which a prefill
     # chunk reading its own keys and values unrounded misses by 3x (bfloat16) to 10x and more.
-    atol = FUSED_ATOL[fmt]
+    atol = max(FUSED_ATOL[d] for d in kv_pair(fmt))
     for ours, ref in zip(caches_fast, caches_plain):
         for a, c in zip(ours, ref):
             err = (stored_values(a) - stored_values(c)).abs().nan_to_num()

@@ -140,7 +140,7 @@ def _kernels(model: str, kv: str) -> set[str]:
     mla, gemma = model in LAYOUTS["mla"], model in LAYOUTS["ring"]
     turn = set() if mla else {"_rope_kernel"}
     turn |= {"_rms_norm_kernel"} if mla or gemma else set()
-    if kv in kernel_variants.KV_DTYPES:
+    if kv in (*kernel_variants.KV_DTYPES, *kernel_variants.KV_PAIRS):
         return ATTENTION_KERNELS | turn | {"_write_quantized_kernel"}
     fused = {"_latent_rows_kernel"} if mla else {"_rotate_write_kernel"}
     written = {"_write_cache_kernel", "_rotate_kernel"}
@@ -162,6 +162,11 @@ def test_every_model_dtype_and_target_launches_every_kernel(rows):
         for m in kernel_variants.KV_MODELS
         for kv in kernel_variants.KV_DTYPES
         for t in targets()
+    } | {
+        (m, kernel_variants.KV_MODEL_DTYPE, kv, t)
+        for m in kernel_variants.KV_PAIR_MODELS
+        for kv in kernel_variants.KV_PAIRS
+        for t in targets()
     }
     assert set(seen) == expected
     wrong = {key: kernels for key, kernels in seen.items() if kernels != _kernels(key[0], key[2])}
@@ -179,6 +184,16 @@ def test_every_kv_dtype_is_compiled_for_every_layout_without_spills(rows):
                     r["kernel"] for r in mine if r["model"] in models and r["target"] == target
                 }
                 assert {"_decode_kernel", "_prefill_kernel"} <= attention, (kv, target, layout)
+        spilling = [r for r in mine if r["stack"] > 0 or r["shared"] > r["max_shared"]]
+        assert not spilling, (kv, kernel_variants.table(spilling))
+    for kv in kernel_variants.KV_PAIRS:
+        mine = [r for r in rows if r["kv"] == kv]
+        for target in targets():
+            for model in kernel_variants.KV_PAIR_MODELS:
+                attention = {
+                    r["kernel"] for r in mine if r["model"] == model and r["target"] == target
+                }
+                assert {"_decode_kernel", "_prefill_kernel"} <= attention, (kv, target, model)
         spilling = [r for r in mine if r["stack"] > 0 or r["shared"] > r["max_shared"]]
         assert not spilling, (kv, kernel_variants.table(spilling))
 
@@ -212,7 +227,7 @@ def test_attention_kernels_pipeline_their_kv_loads(rows):
 
     attention = [r for r in rows if r["kernel"] in ("_decode_kernel", "_prefill_kernel")]
     assert any(r["kv"] == "int4" for r in attention)
-    attention = [r for r in attention if r["kv"] != "int4"]  # none of its loads is aligned
+    attention = [r for r in attention if "int4" not in r["kv"]]  # none of its loads is aligned
     synchronous = [r for r in attention if r["async_copies"] == 0]
     assert not synchronous, named(synchronous)
     decode = [r for r in attention if r["kernel"] == "_decode_kernel"]

@@ -92,9 +92,9 @@ const float* const* tile_floats(const uint8_t* const* rows, int64_t m, int64_t D
   return s.floats.data();
 }
 
-// Rows t0 .. t0 + m - 1 of a unit (k, v: those rows of one KV head) taken by the queries qs [nq]
-// that attend them.
-template <KvFormat F>
+// Rows t0 .. t0 + m - 1 of a unit (k, v: those rows of one KV head, in formats FK and FV) taken
+// by the queries qs [nq] that attend them.
+template <KvFormat FK, KvFormat FV>
 void attend_tile(QueryState* qs, int64_t nq, const uint8_t* const* k, const uint8_t* const* v,
                  int64_t t0, int64_t m, const TileShape& t, AttentionScratch& s) {
   const auto part = [&](const QueryState& q) {
@@ -104,7 +104,7 @@ void attend_tile(QueryState* qs, int64_t nq, const uint8_t* const* k, const uint
   const auto weights = [&](int64_t j, int64_t a) {
     return qs[j].kept != nullptr ? qs[j].kept + t0 + a : s.scores.data() + j * t.tile;
   };
-  const float* const* keys = tile_floats<F>(k, m, t.Dk, s);
+  const float* const* keys = tile_floats<FK>(k, m, t.Dk, s);
   for (int64_t j = 0; j < nq; ++j) {
     const auto [a, b] = part(qs[j]);
     if (a >= b) continue;
@@ -113,7 +113,7 @@ void attend_tile(QueryState* qs, int64_t nq, const uint8_t* const* k, const uint
     take_scores(qs[j], w, b - a, t.Dv);
     if (qs[j].maxima != nullptr) qs[j].maxima[t0 / t.tile] = qs[j].mx;
   }
-  const float* const* values = tile_floats<F>(v, m, t.Dv, s);
+  const float* const* values = tile_floats<FV>(v, m, t.Dv, s);
   for (int64_t j = 0; j < nq; ++j) {
     const auto [a, b] = part(qs[j]);
     if (a < b) add_weighted(weights(j, a), values + a, b - a, t.Dv, qs[j].out);
@@ -182,10 +182,11 @@ int64_t PagedAttention::first(int64_t b) const {
 }
 
 void PagedAttention::unit(int64_t u, AttentionScratch& s) const {
-  with_format(cache.k.format, [&](auto f) { unit_in<decltype(f)::value>(u, s); });
+  with_formats(cache.k.format, cache.v.format,
+               [&](auto k, auto v) { unit_in<decltype(k)::value, decltype(v)::value>(u, s); });
 }
 
-template <KvFormat F>
+template <KvFormat FK, KvFormat FV>
 void PagedAttention::unit_in(int64_t u, AttentionScratch& s) const {
   const int64_t b = u / parts, part = u % parts;
   const int64_t whole = span(b), lo = first(b) + whole * part / parts;
@@ -193,7 +194,7 @@ void PagedAttention::unit_in(int64_t u, AttentionScratch& s) const {
   const CacheRows &k = cache.k, &v = cache.v;
   const int64_t Hq = q.heads, G = Hq / k.heads, Dk = k.dim, Dv = v.dim;
   const TileShape shape{Dk, Dv, tile_rows(std::max(Dk, Dv)), q.scale};
-  prepare(s, n, Hq, shape, stored_rotated(F) ? Hq * Dk : 0, counted(b) ? Hq : 0);
+  prepare(s, n, Hq, shape, stored_rotated(FK) ? Hq * Dk : 0, counted(b) ? Hq : 0);
   // Head 0's rows of positions lo .. hi - 1, one table lookup per block (a ring of W with a
   // window); each further head's rows are these moved by the head stride.
   for (int64_t pos = lo; pos < hi;) {
@@ -208,7 +209,7 @@ void PagedAttention::unit_in(int64_t u, AttentionScratch& s) const {
   for (int64_t hq = 0; hq < Hq; ++hq) {
     float* out = parts > 1 ? partial.data_ptr<float>() + (u * Hq + hq) * (2 + Dv) + 2
                            : q.out + (b * Hq + hq) * Dv;
-    s.queries[hq] = query_of<F>(q.q + b * q.stride + hq * Dk, Dk, s.rotated.data() + hq * Dk,
+    s.queries[hq] = query_of<FK>(q.q + b * q.stride + hq * Dk, Dk, s.rotated.data() + hq * Dk,
                                 out, Dv, 0, n);
     if (counted(b)) keep(s.queries[hq], s, hq, n, shape);
   }
@@ -224,13 +225,13 @@ void PagedAttention::unit_in(int64_t u, AttentionScratch& s) const {
         s.ktile[i] = s.krows[t0 + i] + h * k.s2;
         s.vtile[i] = s.vrows[t0 + i] + h * v.s2;
       }
-      attend_tile<F>(s.queries.data() + h * G, G, s.ktile.data(), s.vtile.data(), t0, m, shape,
+      attend_tile<FK, FV>(s.queries.data() + h * G, G, s.ktile.data(), s.vtile.data(), t0, m, shape,
                      s);
     }
   }
   for (int64_t hq = 0; hq < Hq; ++hq) {
     const QueryState& qs = s.queries[hq];
-    finish<F>(qs, Dv);
+    finish<FV>(qs, Dv);
     if (parts > 1) qs.out[-2] = qs.mx, qs.out[-1] = qs.sum;
   }
   if (counted(b)) keep_probabilities(b, lo - first(b), s.queries.data(), shape.tile);
@@ -323,10 +324,11 @@ int64_t PrefillAttention::lowest(int64_t pos) const {
 }
 
 void PrefillAttention::unit(int64_t u, AttentionScratch& s) const {
-  with_format(cache.k.format, [&](auto f) { unit_in<decltype(f)::value>(u, s); });
+  with_formats(cache.k.format, cache.v.format,
+               [&](auto k, auto v) { unit_in<decltype(k)::value, decltype(v)::value>(u, s); });
 }
 
-template <KvFormat F>
+template <KvFormat FK, KvFormat FV>
 void PrefillAttention::unit_in(int64_t u, AttentionScratch& s) const {
   const CacheRows &k = cache.k, &v = cache.v;
   const int64_t Hkv = k.heads, Dk = k.dim, Dv = v.dim, G = q.heads / Hkv;
@@ -336,21 +338,22 @@ void PrefillAttention::unit_in(int64_t u, AttentionScratch& s) const {
   const TileShape shape{Dk, Dv, tile_rows(std::max(Dk, Dv)), q.scale};
   const bool scored = !mass_at.empty() && mass_at[i] >= 0;
   const int64_t counted = scored ? first_counted(i) : r1;  // rows counted .. r1 - 1 count
-  prepare(s, n, nq, shape, stored_rotated(F) ? nq * Dk : 0, (r1 - counted) * G);
+  prepare(s, n, nq, shape, stored_rotated(FK) ? nq * Dk : 0, (r1 - counted) * G);
   for (int64_t pos = lo; pos < hi; ++pos) {
     if (pos < P) {
       const auto [k0, v0] = cache.rows(b, pos);
       s.krows[pos - lo] = k0 + h * k.s2, s.vrows[pos - lo] = v0 + h * v.s2;
     } else {
-      const int64_t at = (c0 + pos - P) * fresh.row + h * fresh.head;
-      s.krows[pos - lo] = fresh.k + at, s.vrows[pos - lo] = fresh.v + at;
+      const int64_t j = c0 + pos - P;
+      s.krows[pos - lo] = fresh.k + j * fresh.k_row + h * fresh.k_head;
+      s.vrows[pos - lo] = fresh.v + j * fresh.v_row + h * fresh.v_head;
     }
   }
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t pos = P + r - c0;
     for (int64_t g = 0; g < G; ++g) {
       const int64_t j = (r - r0) * G + g, hq = h * G + g;
-      s.queries[j] = query_of<F>(q.q + r * q.stride + hq * Dk, Dk, s.rotated.data() + j * Dk,
+      s.queries[j] = query_of<FK>(q.q + r * q.stride + hq * Dk, Dk, s.rotated.data() + j * Dk,
                                  q.out + (r * q.heads + hq) * Dv, Dv, lowest(pos) - lo,
                                  pos - lo + 1);
       if (r >= counted) keep(s.queries[j], s, (r - counted) * G + g, n, shape);
@@ -358,10 +361,10 @@ void PrefillAttention::unit_in(int64_t u, AttentionScratch& s) const {
   }
   for (int64_t t0 = 0; t0 < n; t0 += shape.tile) {
     const int64_t m = std::min(shape.tile, n - t0);
-    attend_tile<F>(s.queries.data(), nq, s.krows.data() + t0, s.vrows.data() + t0, t0, m, shape,
+    attend_tile<FK, FV>(s.queries.data(), nq, s.krows.data() + t0, s.vrows.data() + t0, t0, m, shape,
                    s);
   }
-  for (int64_t j = 0; j < nq; ++j) finish<F>(s.queries[j], Dv);
+  for (int64_t j = 0; j < nq; ++j) finish<FV>(s.queries[j], Dv);
   if (!scored) return;
   float* m = mass.data_ptr<float>() + mass_at[i] + h * n;  // full attention: lo is 0
   std::fill_n(m, n, 0.f);

@@ -25,7 +25,8 @@ namespace kvserve {
 
 // One layer's paged cache as attention reads it: per sequence a row of `tables`, W blocks (a
 // ring of W with a window), a slot's heads adjacent in its row. The value rows may have any
-// stride (MLA's values are a view of its key rows); keys and values share a format.
+// stride (MLA's values are a view of its key rows); keys and values share a format, or are
+// two quantized ones (kv_format.h, with_formats).
 struct CacheView {
   CacheRows k, v;
   const int32_t* tables;  // [sequences, W]
@@ -129,16 +130,17 @@ struct PagedAttention {
   int64_t span(int64_t b) const { return lens[b] - first(b); }
   bool counted(int64_t b) const { return !mass_at.empty() && mass_at[b] >= 0; }
   int64_t rows_per_kv_head() const { return parts > 1 ? q.heads / cache.k.heads : 1; }
-  template <KvFormat F>
+  template <KvFormat FK, KvFormat FV>
   void unit_in(int64_t u, AttentionScratch& s) const;
   void keep_probabilities(int64_t b, int64_t at, const QueryState* qs, int64_t tile) const;
 };
 
-// Where a prefill chunk's new keys and values are read: row r's head h at k + r * row + h * head
-// (and v + ...), bytes in the cache's format, written for this step but not yet to the cache.
+// Where a prefill chunk's new keys and values are read: row r's key of head h at
+// k + r * k_row + h * k_head (its value at v + r * v_row + h * v_head), bytes in the caches'
+// formats, written for this step but not yet to the cache.
 struct NewRows {
   uint8_t *k, *v;
-  int64_t row, head;
+  int64_t k_row, k_head, v_row, v_head;
 };
 
 // Prefill chunks attending causally to themselves and to their cached prefix, as
@@ -174,7 +176,7 @@ struct PrefillAttention {
   int64_t lowest(int64_t pos) const;
   int64_t keys(int64_t i) const;           // block of rows i: the keys its last row reads
   int64_t first_counted(int64_t i) const;  // block of rows i: its first row that counts
-  template <KvFormat F>
+  template <KvFormat FK, KvFormat FV>
   void unit_in(int64_t u, AttentionScratch& s) const;
 };
 

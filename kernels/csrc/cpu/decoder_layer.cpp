@@ -76,8 +76,8 @@ struct DecoderLayer {
               in.scores),
         chunks(in.cache, {sc.qkv, nqkv, Hq, c.scale, sc.attn}, in.meta, fresh, in.scores),
         scored(in.scores.into != nullptr) {
-    const int64_t R = k_cache.row_bytes();
-    TORCH_CHECK(v_cache.dim == D && k_cache.s2 == R && v_cache.s2 == R,
+    TORCH_CHECK(v_cache.dim == D && k_cache.s2 == k_cache.row_bytes() &&
+                    v_cache.s2 == v_cache.row_bytes(),
                 "the layer's cache slots must be dense [heads, head_dim] rows");
     TORCH_CHECK(w.qkv.N == nqkv && w.qkv.K == H && w.o.N == H && w.o.K == nq &&
                     w.gate_up.N == 2 * I && w.gate_up.K == H && w.down.N == H,
@@ -91,10 +91,10 @@ struct DecoderLayer {
   NewRows new_rows(const LayerScratch& sc) const {
     if (k_cache.format == KvFormat::F32) {
       auto* k = reinterpret_cast<uint8_t*>(sc.qkv + nq);
-      return {k, k + 4 * nkv, 4 * nqkv, 4 * D};
+      return {k, k + 4 * nkv, 4 * nqkv, 4 * D, 4 * nqkv, 4 * D};
     }
-    const int64_t R = k_cache.row_bytes();
-    return {sc.fresh, sc.fresh + T * Hkv * R, Hkv * R, R};
+    const int64_t Rk = k_cache.row_bytes(), Rv = v_cache.row_bytes();
+    return {sc.fresh, sc.fresh + T * Hkv * Rk, Hkv * Rk, Rk, Hkv * Rv, Rv};
   }
 
   // This thread's part of y [T, H] = the layer of x [T, H]; ends with a barrier.
@@ -179,9 +179,9 @@ struct DecoderLayer {
       if (r < nd && slot[r] >= 0) {
         store_kv(r, head - Hq, row);
       } else if (r >= nd && k_cache.format != KvFormat::F32) {
-        const int64_t at = r * fresh.row + (head - Hq) * fresh.head;
-        store_row(k_cache.format, row, D, fresh.k + at);
-        store_row(v_cache.format, row + nkv, D, fresh.v + at);
+        const int64_t h = head - Hq;
+        store_row(k_cache.format, row, D, fresh.k + r * fresh.k_row + h * fresh.k_head);
+        store_row(v_cache.format, row + nkv, D, fresh.v + r * fresh.v_row + h * fresh.v_head);
       }
     }
   }
@@ -208,12 +208,14 @@ struct DecoderLayer {
     auto [r0, r1] = team.share(paged.rows_to_merge());
     for (int64_t r = r0; r < r1; ++r) paged.merge(r);
     auto [i0, i1] = team.share((T - nd) * Hkv);
-    const int64_t R = k_cache.row_bytes();
+    const int64_t Rk = k_cache.row_bytes(), Rv = v_cache.row_bytes();
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t r = nd + i / Hkv, head = i % Hkv, at = r * fresh.row + head * fresh.head;
+      const int64_t r = nd + i / Hkv, head = i % Hkv;
       if (slot[r] < 0) continue;
-      std::memcpy(k_cache.slot(slot[r]) + head * k_cache.s2, fresh.k + at, R);
-      std::memcpy(v_cache.slot(slot[r]) + head * v_cache.s2, fresh.v + at, R);
+      std::memcpy(k_cache.slot(slot[r]) + head * k_cache.s2,
+                  fresh.k + r * fresh.k_row + head * fresh.k_head, Rk);
+      std::memcpy(v_cache.slot(slot[r]) + head * v_cache.s2,
+                  fresh.v + r * fresh.v_row + head * fresh.v_head, Rv);
     }
   }
 
@@ -253,8 +255,10 @@ void decoder_layers(const float* x, int64_t T, int64_t H, const std::vector<Laye
   const int64_t nqkv = nq + 2 * first.cache.k.heads * D, I = first.weights.down.K;
   int64_t fresh_bytes = 0;
   for (const LayerInputs& in : inputs)
-    if (in.cache.k.format != KvFormat::F32)
-      fresh_bytes = std::max(fresh_bytes, 2 * T * in.cache.k.heads * in.cache.k.row_bytes());
+    if (in.cache.k.format != KvFormat::F32) {
+      const int64_t row = in.cache.k.row_bytes() + in.cache.v.row_bytes();
+      fresh_bytes = std::max(fresh_bytes, T * in.cache.k.heads * row);
+    }
   const LayerScratch scratch(T, H, nqkv, nq, I, fresh_bytes);
   std::vector<DecoderLayer> layers;
   layers.reserve(L);

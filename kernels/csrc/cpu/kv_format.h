@@ -138,4 +138,30 @@ inline void with_format(KvFormat f, Fn&& fn) {
   }
 }
 
+// Whether keys in kf and values in vf are a pair the kernels read: one format, or two quantized
+// ones (models.kv_spec.kv_pair).
+constexpr bool kv_pair_read(KvFormat kf, KvFormat vf) {
+  return kf == vf || (stored_rotated(kf) && stored_rotated(vf));
+}
+
+// fn(KvFormatTag<kf>{}, KvFormatTag<vf>{}) for a pair kv_pair_read takes (callers check).
+template <class Fn>
+inline void with_formats(KvFormat kf, KvFormat vf, Fn&& fn) {
+  if (kf == vf) return with_format(kf, [&](auto f) { fn(f, f); });
+  const auto value = [&](auto k) {
+    switch (vf) {
+      case KvFormat::I8: return fn(k, KvFormatTag<KvFormat::I8>{});
+      case KvFormat::FP8: return fn(k, KvFormatTag<KvFormat::FP8>{});
+      case KvFormat::I4: return fn(k, KvFormatTag<KvFormat::I4>{});
+      default: return;
+    }
+  };
+  switch (kf) {
+    case KvFormat::I8: return value(KvFormatTag<KvFormat::I8>{});
+    case KvFormat::FP8: return value(KvFormatTag<KvFormat::FP8>{});
+    case KvFormat::I4: return value(KvFormatTag<KvFormat::I4>{});
+    default: return;
+  }
+}
+
 }  // namespace kvserve

@@ -50,8 +50,8 @@ inline void check_paged(const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t Hq,
                         int64_t Dk) {
   const CacheRows k = rows_of(k_cache), v = rows_of(v_cache);
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(),
-              "the key and value caches must have one dtype");
+  TORCH_CHECK(kv_pair_read(k.format, v.format),
+              "the key and value caches must have one dtype, or two quantized ones");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block tables and lengths must be int32");
   TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(),
