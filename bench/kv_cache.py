@@ -3,8 +3,10 @@ with llama.cpp's cache types on the same GGUF file and text, and what it buys in
 speed.
 
     python -m bench.kv_cache [--model qwen2.5-coder-0.5b-instruct] [--tokens 2048]
-        [--dtypes float32,float16,bfloat16,int8,fp8_e4m3,int4] [--peer-types f16,q8_0,q4_0]
-        [--skip-speed] [--out PREFIX]
+        [--dtypes float32,float16,bfloat16,int8,fp8_e4m3,int4,int8/int4]
+        [--peer-types f16,q8_0,q4_0,q8_0/q4_0] [--skip-speed] [--out PREFIX]
+
+A dtype ``K/V`` stores keys in K and values in V; a peer type ``K/V`` runs ``-ctk K -ctv V``.
 
 - Quality: the first ``--tokens`` tokens of the text in one context, teacher forced; the rows
   of its second half count, as ``llama-perplexity`` scores one chunk of ``-c --tokens``:
@@ -39,10 +41,13 @@ from engine.args import EngineArgs
 from models.fetch import resolve_model
 from models.tokenizer import Tokenizer
 
-DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "int4")
-PEER_TYPES = ("f16", "q8_0", "q4_0")
+DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "int4", "int8/int4")
+PEER_TYPES = ("f16", "q8_0", "q4_0", "q8_0/q4_0")
 NUMBER = r"(-?[\d.]+(?:e[-+]?\d+)?)"  # as llama-perplexity prints them
-GGUF = {"qwen2.5-coder-0.5b-instruct": "qwen2.5-coder-0.5b-instruct.gguf"}
+GGUF = {
+    name: f"{name}.gguf"
+    for name in ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")
+}
 
 
 def peer_quality(gguf: Path, text: Path, n_ctx: int, types: list[str]) -> dict[str, dict]:
@@ -55,7 +60,9 @@ def peer_quality(gguf: Path, text: Path, n_ctx: int, types: list[str]) -> dict[s
         out = _run(common + ["-ctk", "f32", "-ctv", "f32", "--kl-divergence-base", base])
         results = {"f32": {"ppl": _number(r"Final estimate: PPL = " + NUMBER, out)}}
         for t in types:
-            args = ["-ctk", t, "-ctv", t, "--kl-divergence-base", base, "--kl-divergence"]
+            key, _, value = t.partition("/")
+            args = ["-ctk", key, "-ctv", value or key, "--kl-divergence-base", base,
+                    "--kl-divergence"]  # fmt: skip
             out = _run(common + args)
             results[t] = {
                 "ppl": _number(r"Mean PPL\(Q\)\s*:\s*" + NUMBER, out),

@@ -301,7 +301,7 @@ def prefill_launches(
             scale * _LOG2E, batch, num_heads, *q.stride(), *k_new.stride(), *k_cached.stride(),
             block_tables.stride(0), *scores.stride(),
         )  # fmt: skip
-        values = ("WINDOWED", "SHARED_V", "SHARED_V_NEW", "DV", "BLOCK_DV")
+        values = ("WINDOWED", "SHARED_V", "SHARED_V_NEW", "DV", "BLOCK_DV", "KV_V")
         params = {name: p for name, p in params.items() if name not in values}
         params["BLOCK_N"] = min(tile.block_n, 32)
         # Two stages (the next key tile in flight still): with three, MLA's fp32 variant keeps

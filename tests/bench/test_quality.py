@@ -266,15 +266,17 @@ def kl(ref: torch.Tensor, logq: torch.Tensor) -> np.ndarray:
 
 
 def test_a_kv_dtype_costs_what_the_apis_whole_distributions_say(wide):
-    """float32 against itself costs nothing; int8 and int4 cost a positive, finite KLD, int4
-    more; every figure equals one computed from the API's logprobs of plain engines, whose
-    float32 run is a transformers forward over the text."""
+    """float32 against itself costs nothing; int8, int8 keys beside int4 values and int4 cost
+    a positive, finite KLD, int4 more than int8; every figure equals one computed from the
+    API's logprobs of plain engines, whose float32 run is a transformers forward over the text."""
     path, model = wide
     tokens = random_prompt(160, SMALL_VOCAB, seed=5)
-    costs = quality.kv_dtype_costs(base_args(path), tokens, ["float32", "int8", "int4"])
-    f32, i8, i4 = costs["float32"], costs["int8"], costs["int4"]
+    kvs = ["float32", "int8", "int8/int4", "int4"]
+    costs = quality.kv_dtype_costs(base_args(path), tokens, kvs)
+    f32, i8, pair, i4 = (costs[kv] for kv in kvs)
     assert (f32.kld_mean, f32.kld_p99, f32.top1, f32.rows) == (0.0, 0.0, 1.0, 159)
     assert 0 < i8.kld_mean < i4.kld_mean < math.inf
+    assert 0 < pair.kld_mean < math.inf
     assert i8.kld_p99 >= i8.kld_mean and i4.kld_p99 >= i4.kld_mean
 
     with torch.no_grad():

@@ -189,8 +189,8 @@ def test_cli_refuses_bad_plans_with_usage_status(argv, error, capsys):
 
 
 def test_a_quality_sweep_of_kv_dtypes_alone_scores_the_grid_under_each():
-    (kv,) = [parse_sweep("kv-cache-dtype=float32,int8,int4", FIELDS)]
-    assert tune.kv_dtype_sweep(BASE, [kv]) == ["float32", "int8", "int4"]
+    (kv,) = [parse_sweep("kv-cache-dtype=float32,int8,int8/int4,int4", FIELDS)]
+    assert tune.kv_dtype_sweep(BASE, [kv]) == ["float32", "int8", "int8/int4", "int4"]
     other = parse_sweep("max_num_seqs=1,2", FIELDS)
     assert tune.kv_dtype_sweep(BASE, [kv, other]) is None  # the throughput sweep
     assert tune.kv_dtype_sweep(BASE, [other]) is None

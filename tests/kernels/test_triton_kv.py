@@ -37,6 +37,12 @@ HALF = (torch.float16, torch.bfloat16)
 NAMES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8", torch.uint8: "int4",
          torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}  # fmt: skip
 BLOCK_SIZE = 16
+PAIR = (torch.int8, torch.uint8)  # keys in int8, values in int4 (models.kv_spec.kv_pair)
+
+
+def _halves(dtype) -> tuple[torch.dtype, torch.dtype]:
+    """The key and value caches' dtypes of a cache dtype or a pair of them."""
+    return dtype if isinstance(dtype, tuple) else (dtype, dtype)
 
 
 @dataclass(frozen=True)
@@ -60,15 +66,17 @@ LAYOUTS = {
 ON_GPU = pytest.mark.skipif(DEVICE == "cpu", reason="a GPU-sized layout")
 
 
-def _model_dtype(cache_dtype: torch.dtype) -> torch.dtype:
+def _model_dtype(cache_dtype) -> torch.dtype:
     """A model dtype other than the cache's: float32 over a quantized cache checks the
     dequantized values to 1e-4; a 16-bit cache sits under a model of the other 16-bit dtype."""
+    cache_dtype = _halves(cache_dtype)[0]
     if cache_dtype in QUANTIZED:
         return torch.float32
     return torch.bfloat16 if cache_dtype == torch.float16 else torch.float32
 
 
-def _tolerance(model: torch.dtype, cache: torch.dtype) -> float:
+def _tolerance(model: torch.dtype, cache) -> float:
+    cache = _halves(cache)[0]
     dot = model if cache in QUANTIZED else cache
     return 1e-4 if dot == torch.float32 else 2e-2
 
@@ -117,9 +125,10 @@ def _caches(
     num_blocks = len(keep) * width + 1
     physical = torch.randperm(num_blocks - 1, generator=gen).view(len(keep), width)
     tables = torch.full((len(keep), width), num_blocks - 1, dtype=torch.int32)
-    k_cache = _poisoned((num_blocks, bs, heads, _row_width(dtype, layout.dk)), dtype)
-    v_shape = (num_blocks, bs, heads, _row_width(dtype, layout.dv))
-    v_cache = k_cache[..., : v_shape[-1]] if layout.mla else _poisoned(v_shape, dtype)
+    keys, values = _halves(dtype)
+    k_cache = _poisoned((num_blocks, bs, heads, _row_width(keys, layout.dk)), keys)
+    v_shape = (num_blocks, bs, heads, _row_width(values, layout.dv))
+    v_cache = k_cache[..., : v_shape[-1]] if layout.mla else _poisoned(v_shape, values)
     for i, (lo, hi) in enumerate(keep):
         used = min(math.ceil(reach[i] / bs), width)
         tables[i, :used] = physical[i, :used].int()
@@ -149,12 +158,13 @@ CASES = [
     for dtype in (*QUANTIZED, *HALF)
     for name in LAYOUTS
     if name != "mla576"
-]
+] + [pytest.param(PAIR, name, id=f"int8+int4-{name}") for name in ("gqa", "ring")]
 # A 16-bit model over quantized caches: dots in bf16, the rotated query rounded to it.
 BF16_MODEL = [
     pytest.param(torch.int8, "gqa", id="int8-gqa"),
     pytest.param(torch.float8_e4m3fn, "ring", id="fp8-ring"),
     pytest.param(torch.uint8, "mla", id="int4-mla"),
+    pytest.param(PAIR, "gqa", id="int8+int4-gqa"),
     *(pytest.param(d, "mla576", id=f"{NAMES[d]}-mla576", marks=ON_GPU) for d in QUANTIZED),
 ]
 
@@ -314,7 +324,7 @@ ENGINE_CASES = [
     for dtype in QUANTIZED
     for name in LAYOUTS
     if name != "mla576"
-] + [pytest.param(torch.bfloat16, "gqa", id="bf16-gqa")]
+] + [pytest.param(PAIR, name, id=f"int8+int4-{name}") for name in ("gqa", "ring")] + [pytest.param(torch.bfloat16, "gqa", id="bf16-gqa")]
 
 
 @pytest.mark.parametrize(("dtype", "layout"), ENGINE_CASES)
