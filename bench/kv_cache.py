@@ -45,8 +45,7 @@ DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "int4", "int8/in
 PEER_TYPES = ("f16", "q8_0", "q4_0", "q8_0/q4_0")
 NUMBER = r"(-?[\d.]+(?:e[-+]?\d+)?)"  # as llama-perplexity prints them
 GGUF = {
-    name: f"{name}.gguf"
-    for name in ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")
+    name: f"{name}.gguf" for name in ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")
 }
 
 

@@ -81,6 +81,12 @@ class EngineArgs:
         choices=("sliding_window",),
         when_none="none",
     )
+    kv_cache_recent_tokens: int = setting(
+        0,
+        "the last N tokens of every sequence also kept in auto's dtype where the cache is "
+        "quantized: attention reads a token's last N keys and values from there and only older "
+        "ones quantized (torch and cpu attention backends)",
+    )
     device: str = setting("auto", "auto, cpu, cuda or cuda:N")
     block_size: int = setting(16, "tokens per KV block (a power of two)")
     num_kv_blocks: int | None = setting(
@@ -278,6 +284,7 @@ class EngineArgs:
                 self.kv_cache_dtype_skip_layers in (None, "sliding_window"),
                 "kv_cache_dtype_skip_layers",
             ),
+            (self.kv_cache_recent_tokens >= 0, "kv_cache_recent_tokens"),
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device"),
             (self.attention_backend in (None, *backend_names()), "attention_backend"),
             (self.preemption_mode in PREEMPTION_MODES, "preemption_mode"),
@@ -291,6 +298,11 @@ class EngineArgs:
         for ok, name in checks:
             if not ok:
                 raise ValueError(f"invalid {name}: {getattr(self, name, None)!r}")
+        if self.kv_cache_recent_tokens and self.scores_kept:
+            raise ValueError(
+                "--kv-cache-recent-tokens keeps no importance scores: it does not go with "
+                "--kv-scores or an eviction policy"
+            )
         self.kv_events()  # a malformed --kv-events-config is refused at start-up
         self.default_overflow()  # the one check of the three context settings
         self.speculative_config()  # and of the speculative ones
@@ -351,6 +363,7 @@ class EngineArgs:
             self.quantization,
             self.kv_dtype(dtype),
             self.kv_cache_dtype_skip_layers == "sliding_window",
+            self.kv_cache_recent_tokens,
             self.scores_kept,
             self.repack_weights,
         )

@@ -11,7 +11,7 @@ from engine.worker.config import auto_kv_dtype
 from engine.worker.disk_tier import disk_pool_sizes
 from models.config import ModelConfig
 from models.fetch import resolve_model
-from models.kv_spec import MLASpec, sliding_window_in
+from models.kv_spec import MLASpec, sliding_window_in, with_recent
 from models.loader import model_class, stored_weight_bytes
 from models.tensor_parallel import TPRank, shard_config
 
@@ -30,7 +30,7 @@ class GroupCapacity:
 def capacity(cache: CacheConfig, max_model_len: int) -> list[GroupCapacity]:
     rows = []
     for g, n in zip(cache.groups, cache.num_blocks):
-        kind = type(g.spec).__name__
+        kind = "RecentTokens" if g.recent else type(g.spec).__name__
         if g.spec.window:
             kind += f"(window={g.spec.window})"
         rows.append(
@@ -107,6 +107,7 @@ def make_plan(
     quantization: str | None = None,
     kv_cache_dtype: str | None = None,
     kv_skip_sliding: bool = False,
+    kv_recent_tokens: int = 0,
     kv_host_cache_gib: float = 0.0,
     kv_disk_cache_gib: float = 0.0,
 ) -> Plan:
@@ -118,6 +119,8 @@ def make_plan(
     groups = model_class(cfg).kv_cache_groups(rank_cfg, kv_dtype)
     if kv_skip_sliding:
         groups = sliding_window_in(groups, auto_kv_dtype(dtype))
+    if kv_recent_tokens:
+        groups = with_recent(groups, cfg.num_layers, kv_recent_tokens, auto_kv_dtype(dtype))
     max_len = max_model_len or cfg.max_position_embeddings
     memory = int(kv_cache_memory_gib * GIB)
     blocks = split_memory(groups, memory, block_size, max_len)

@@ -121,6 +121,11 @@ class Step(Protocol):
         """A layer's importance scores [N, bs, Hkv] when its group keeps them."""
         ...
 
+    def recent(self, layer_id: int) -> tuple[KVCache, AttentionMetadata] | None:
+        """The cache and metadata of a layer's recent tokens (``models.kv_spec.with_recent``),
+        or None where it has none."""
+        ...
+
 
 class WholeLayer(Protocol):
     """A pre-norm decoder layer as a backend that runs whole layers takes it
@@ -198,6 +203,11 @@ class AttentionBackend(ABC):
         it. A layer that keeps importance scores clears
         those of the slots it writes, and adds to them where ``meta.score_from`` asks."""
         kv_cache, meta, scores = self._layer(layer_id, batch)
+        recent = batch.recent(layer_id)
+        if recent is not None:
+            if rotary is not None:
+                q, k = self.rotate(q, k, rotary)
+            return self._attend_recent(q, k, v, kv_cache, meta, *recent, scale)
         if q.shape[0] == meta.num_decodes and rotary is not None:
             q = self.rotate_and_write(q, k, v, rotary, kv_cache, meta.slot_mapping)
             return self._decode(q, kv_cache, meta, scale, scores)
@@ -255,6 +265,31 @@ class AttentionBackend(ABC):
         if nd:
             outs.insert(0, self.decode(q[:nd], kv_cache, meta.decodes, scale, scores))
         # A step of one kind returns its kernel's output as it is: no copy.
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out.to(q.dtype)
+
+    def _attend_recent(
+        self, q, k, v, kv_cache: KVCache, meta, recent_cache: KVCache, recent_meta, scale
+    ):
+        """``_attend`` of a layer whose recent tokens have a cache of their own: each query
+        reads its last ``recent_meta.window`` keys and values from there, older ones from
+        ``kv_cache`` (``reference.recent_prefill_attention``, ``recent_decode_attention``)."""
+        nd = meta.num_decodes
+        outs = []
+        if q.shape[0] > nd:
+            p, rp = meta.prefills, recent_meta.prefills
+            outs.append(reference.recent_prefill_attention(
+                q[nd:], k[nd:], v[nd:], *kv_cache, p.block_tables, p.cu_seqlens_q,
+                p.prefix_lens, *recent_cache, rp.block_tables, rp.window, scale, p.window,
+            ))  # fmt: skip
+        self.write_kv(k, v, kv_cache, meta.slot_mapping)
+        self.write_kv(k, v, recent_cache, recent_meta.slot_mapping)
+        if nd:
+            d, rd = meta.decodes, recent_meta.decodes
+            outs.insert(0, reference.recent_decode_attention(
+                q[:nd], *kv_cache, d.block_tables, d.seq_lens, *recent_cache, rd.block_tables,
+                rd.window, scale, d.window,
+            ))  # fmt: skip
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.to(q.dtype)
 
@@ -565,6 +600,8 @@ class CpuBackend(TorchBackend):
         weights = [layer.weights for layer in layers]
         if any(p.bias is not None for w in weights for p in w.gate_up + w.down):
             return None
+        if any(batch.recent(layer.layer_id) is not None for layer in layers):
+            return None  # the fused layers read one cache a layer
         caches, metas = zip(*(batch.layer(layer.layer_id) for layer in layers))
         if not all(self._cpu.takes_cache(c) for kv in caches for c in kv):
             return None

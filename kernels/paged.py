@@ -26,6 +26,9 @@ class ForwardContext:
     layer_to_group: tuple[int, ...]
     # One importance-score tensor per layer (None where its group keeps none); None: none.
     scores: list[torch.Tensor | None] | None = None
+    # The model's layer count where groups hold layers' recent tokens (``models.kv_spec.
+    # with_recent``: their caches sit at the layer's id plus it), else 0.
+    recent_layers: int = 0
 
     @classmethod
     def planned(
@@ -35,6 +38,7 @@ class ForwardContext:
         kv_caches: list[KVCache],
         layer_to_group: tuple[int, ...],
         scores: list[torch.Tensor | None] | None = None,
+        recent_layers: int = 0,
     ) -> ForwardContext:
         """The context with each group's decode plan made once for all its layers (they share
         the group's block tables and block size)."""
@@ -44,11 +48,18 @@ class ForwardContext:
                 kv_cache = kv_caches[layer_to_group.index(g)]
                 meta = replace(meta, decode_plan=backend.plan_decode(meta.decodes, kv_cache))
             planned.append(meta)
-        return cls(backend, planned, kv_caches, layer_to_group, scores)
+        return cls(backend, planned, kv_caches, layer_to_group, scores, recent_layers)
 
     def layer(self, layer_id: int) -> tuple[KVCache, AttentionMetadata]:
         """A layer's cache and its group's metadata."""
         return self.kv_caches[layer_id], self.metadata[self.layer_to_group[layer_id]]
+
+    def recent(self, layer_id: int) -> tuple[KVCache, AttentionMetadata] | None:
+        """The cache and metadata of a layer's recent tokens, or None where it has none."""
+        at = layer_id + self.recent_layers
+        if not self.recent_layers or at >= len(self.kv_caches) or self.kv_caches[at] is None:
+            return None
+        return self.layer(at)
 
     def layer_scores(self, layer_id: int) -> torch.Tensor | None:
         return None if self.scores is None else self.scores[layer_id]

@@ -24,7 +24,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from kernels.kv_quant import dequantize, fake_quantize, quantize
+from kernels.kv_quant import dequantize, fake_quantize, quantize, value_dim
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
@@ -312,3 +312,84 @@ def _score_chunk(scores, table, pos_k, q, k_all, mask, scale) -> None:
         mass += _probs(q[rows], kt, scale, mask[rows, None, None, :]).sum(dim=(0, 2))
     blocks, offsets = _blocks_and_offsets(table, pos_k, scores.shape[1], 0)
     add_scores(scores, blocks, offsets, mass.T)
+
+
+def recent_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rk_cache: torch.Tensor,
+    rv_cache: torch.Tensor,
+    recent_tables: torch.Tensor,
+    recent: int,
+    scale: float,
+    window: int = 0,
+) -> torch.Tensor:
+    """``decode_attention`` of a layer whose last ``recent`` tokens are also held by the
+    caches rk/rv (a ring of that window, through ``recent_tables``): a sequence of length L
+    reads positions L - recent .. L - 1 from there and the older ones from k/v."""
+    out = torch.empty(*q.shape[:2], value_dim(v_cache), dtype=q.dtype, device=q.device)
+    for b, length in enumerate(seq_lens.tolist()):
+        first = max(0, length - window) if window else 0
+        split = max(first, length - recent)
+        old = torch.arange(first, split, device=q.device)
+        new = torch.arange(split, length, device=q.device)
+        k = torch.cat([gather_cache(k_cache, block_tables[b], old, window),
+                       gather_cache(rk_cache, recent_tables[b], new, recent)])  # fmt: skip
+        v = torch.cat([gather_cache(v_cache, block_tables[b], old, window),
+                       gather_cache(rv_cache, recent_tables[b], new, recent)])  # fmt: skip
+        out[b] = _attend(q[b : b + 1], k, v, scale)[0]
+    return out
+
+
+def recent_prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    rk_cache: torch.Tensor,
+    rv_cache: torch.Tensor,
+    recent_tables: torch.Tensor,
+    recent: int,
+    scale: float,
+    window: int = 0,
+) -> torch.Tensor:
+    """``prefill_attention`` of such a layer: the row at position t reads keys and values at
+    t - recent < p <= t as the recent caches give them back, and those at p <= t - recent as
+    k/v give them back (new ones read back in each cache's format, as a decode would read
+    them)."""
+    k_old, v_old = read_back(k, v, k_cache, v_cache)
+    k_new, v_new = read_back(k, v, rk_cache, rv_cache)
+    out = torch.empty(*q.shape[:2], v.shape[-1], dtype=q.dtype, device=q.device)
+    bounds = cu_seqlens_q.tolist()
+    for i, prefix in enumerate(prefix_lens.tolist()):
+        lo, hi = bounds[i], bounds[i + 1]
+        if hi == lo:
+            continue
+        first = max(0, prefix - window + 1) if window else 0
+        recent_first = max(first, prefix - recent + 1)
+        pos_q = torch.arange(prefix, prefix + hi - lo, device=q.device)[:, None]
+        parts = []
+        for lo_k, caches, table, ring, rows in (
+            (first, (k_cache, v_cache), block_tables[i], window, (k_old, v_old)),
+            (recent_first, (rk_cache, rv_cache), recent_tables[i], recent, (k_new, v_new)),
+        ):
+            cached = torch.arange(lo_k, prefix, device=q.device)
+            kv = [torch.cat([gather_cache(c, table, cached, ring), r[lo:hi].float()])
+                  for c, r in zip(caches, rows)]  # fmt: skip
+            parts.append((*kv, torch.arange(lo_k, prefix + hi - lo, device=q.device)[None, :]))
+        (k_a, v_a, pos_a), (k_b, v_b, pos_b) = parts
+        mask_a = pos_a <= pos_q - recent
+        mask_b = (pos_b <= pos_q) & (pos_b > pos_q - recent)
+        if window:
+            mask_a &= pos_a > pos_q - window
+            mask_b &= pos_b > pos_q - window
+        keys, values = torch.cat([k_a, k_b]).to(k.dtype), torch.cat([v_a, v_b]).to(v.dtype)
+        out[lo:hi] = _attend(q[lo:hi], keys, values, scale, torch.cat([mask_a, mask_b], 1))
+    return out

@@ -174,6 +174,9 @@ class KVCacheGroup:
     # Whether each layer also keeps a float32 importance score per token and KV head (MLA: per
     # token), which attention accumulates for eviction by importance.
     scored: bool = False
+    # Whether the group holds the recent tokens of another group's layers (``with_recent``):
+    # its layer ids are theirs plus the model's layer count.
+    recent: bool = False
 
     @property
     def score_heads(self) -> int:
@@ -190,3 +193,24 @@ def sliding_window_in(groups: list[KVCacheGroup], dtype: str) -> list[KVCacheGro
     layers sliding_window``: a model's local layers kept at a higher precision than its global
     ones, as vLLM's flag of that name keeps them)."""
     return [replace(g, spec=replace(g.spec, dtype=dtype)) if g.spec.window else g for g in groups]
+
+
+def with_recent(
+    groups: list[KVCacheGroup], num_layers: int, tokens: int, dtype: str
+) -> list[KVCacheGroup]:
+    """``groups`` and, for each that quantizes its keys or values, a group holding its layers'
+    last ``tokens`` tokens in ``dtype`` (``--kv-cache-recent-tokens``): a window of that many
+    tokens, as a ring, whose layer ids are the model's plus ``num_layers``. Attention reads a
+    query's last ``tokens`` keys and values from there and the older ones quantized, as KIVI
+    keeps its most recent tokens in full precision."""
+    out = list(groups)
+    for g in groups:
+        if not any(d in QUANTIZED_KV for d in kv_pair(g.spec.dtype)):
+            continue
+        if isinstance(g.spec, MLASpec):
+            raise ValueError("--kv-cache-recent-tokens does not take an MLA cache")
+        spec = SlidingWindowSpec(g.spec.num_kv_heads, g.spec.head_dim, dtype, window_size=tokens)
+        out.append(KVCacheGroup(spec, tuple(num_layers + i for i in g.layer_ids), recent=True))
+    if len(out) == len(groups):
+        raise ValueError("--kv-cache-recent-tokens needs a quantized --kv-cache-dtype")
+    return out

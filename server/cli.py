@@ -26,7 +26,8 @@ log = logging.getLogger("kvserve")
 
 PLAN_SETTINGS = (
     "model", "kv_cache_memory_gib", "max_model_len", "block_size", "dtype", "tensor_parallel_size",
-    "quantization", "kv_cache_dtype", "kv_host_cache_gib", "kv_disk_cache_gib",
+    "quantization", "kv_cache_dtype", "kv_cache_dtype_skip_layers", "kv_cache_recent_tokens",
+    "kv_host_cache_gib", "kv_disk_cache_gib",
 )  # fmt: skip
 
 
@@ -166,6 +167,7 @@ def plan(args: EngineArgs) -> int:
         args.tensor_parallel_size, quantization=args.quantization,
         kv_cache_dtype=args.kv_dtype(args.dtype),
         kv_skip_sliding=args.kv_cache_dtype_skip_layers == "sliding_window",
+        kv_recent_tokens=args.kv_cache_recent_tokens,
         kv_host_cache_gib=args.kv_host_cache_gib,
         kv_disk_cache_gib=args.kv_disk_cache_gib,
     )  # fmt: skip

@@ -10,7 +10,7 @@ import torch
 
 from models.config import ModelConfig
 from models.interface import CausalLM
-from models.kv_spec import KVCacheGroup, sliding_window_in
+from models.kv_spec import KVCacheGroup, sliding_window_in, with_recent
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,7 @@ class RunnerConfig:
     quantization: str | None = None  # a block format for a float checkpoint's linear layers
     kv_cache_dtype: str = ""  # ``models.kv_spec.is_kv_dtype``; "": the model's dtype
     kv_skip_sliding: bool = False  # sliding-window layers' caches in ``auto_kv_dtype(dtype)``
+    kv_recent_tokens: int = 0  # the last ones of quantized groups also in auto's (``with_recent``)
     kv_scores: bool = False  # importance scores beside the cache (``KVCacheGroup.scored``)
     repack_weights: bool = True  # block-format weights repacked for ``kernels.cpu``
 
@@ -33,14 +34,16 @@ class RunnerConfig:
     def kv_dtype(self) -> str:
         return self.kv_cache_dtype or self.dtype
 
-    def kv_cache_groups(
-        self, model: type[CausalLM], model_config: ModelConfig
-    ) -> list[KVCacheGroup]:
-        """The model's cache groups in the dtypes these settings give them."""
-        groups = model.kv_cache_groups(model_config, self.kv_dtype)
-        return (
-            sliding_window_in(groups, auto_kv_dtype(self.dtype)) if self.kv_skip_sliding else groups
-        )
+    def kv_cache_groups(self, model: type[CausalLM], config: ModelConfig) -> list[KVCacheGroup]:
+        """The model's cache groups in the dtypes these settings give them, and the groups of
+        their recent tokens."""
+        groups = model.kv_cache_groups(config, self.kv_dtype)
+        if self.kv_skip_sliding:
+            groups = sliding_window_in(groups, auto_kv_dtype(self.dtype))
+        if self.kv_recent_tokens:
+            recent, dtype = self.kv_recent_tokens, auto_kv_dtype(self.dtype)
+            groups = with_recent(groups, config.num_layers, recent, dtype)
+        return groups
 
     @property
     def torch_device(self) -> torch.device:

@@ -79,11 +79,19 @@ class ModelRunner:
             replace(g, scored=config.kv_scores and not g.spec.window)
             for g in config.kv_cache_groups(type(self.model), model_config)
         ]
-        layer_to_group = [0] * model_config.num_layers
+        # Groups of recent tokens (``models.kv_spec.with_recent``) hold layers numbered past the
+        # model's: a layer with one has its cache there too, at its id plus the layer count.
+        size = max(layer for g in self.groups for layer in g.layer_ids) + 1
+        layer_to_group = [-1] * size
         for gi, g in enumerate(self.groups):
             for layer in g.layer_ids:
                 layer_to_group[layer] = gi
         self.layer_to_group = tuple(layer_to_group)
+        self.recent_layers = model_config.num_layers if size > model_config.num_layers else 0
+        if self.recent_layers and self.backend.name == "triton":
+            raise ValueError(
+                "--kv-cache-recent-tokens runs on the torch and cpu attention backends"
+            )
         self.sampler = Sampler(config.seed, config.eos_token_ids, self.device, grammars)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the swap pool
@@ -96,7 +104,7 @@ class ModelRunner:
         if quantized and hasattr(self.model, "center_cached_keys"):
             self.model.center_cached_keys()  # a quantized row's scale then spans less
         # How each layer's cached keys were rotated; None: the model cannot shift its cache.
-        rope = [self.model.cached_key_rope(i) for i in range(model_config.num_layers)]
+        rope = [self.model.cached_key_rope(i % model_config.num_layers) for i in range(size)]
         self.key_rope: list[RopeLayout] | None = None if None in rope else rope
         self.graphs: DecodeGraphs | None = None
 
@@ -187,7 +195,7 @@ class ModelRunner:
         for g, n in zip(self.groups, num_blocks):
             for layer in g.layer_ids:
                 caches[layer] = self._allocate(g.spec, n, device, pin)
-        return [caches[i] for i in range(len(caches))]
+        return [caches.get(i) for i in range(len(self.layer_to_group))]
 
     def _allocate(
         self, spec, n: int, device=None, pin: bool = False
@@ -266,8 +274,9 @@ class ModelRunner:
             )
         ]
         ctx = ForwardContext.planned(
-            self.backend, metas, self.kv_caches, self.layer_to_group, self.scores
-        )
+            self.backend, metas, self.kv_caches, self.layer_to_group, self.scores,
+            self.recent_layers,
+        )  # fmt: skip
         hidden = self.model(ids, positions, ctx)
         # A sampled sequence's last row, and before it one per draft it verifies.
         last = step.sample_rows.tolist()
@@ -341,7 +350,9 @@ class ModelRunner:
         return out
 
 
-Caches = list[tuple[torch.Tensor, torch.Tensor]]  # (k, v) per layer; v may be a view of k
+# (k, v) per layer (None past the model's layers where no group holds a layer's recent tokens);
+# v may be a view of k
+Caches = list[tuple[torch.Tensor, torch.Tensor] | None]
 
 
 def rotate_shifted_keys(

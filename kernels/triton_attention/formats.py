@@ -237,7 +237,9 @@ def _format_params(k_cache: torch.Tensor, *caches: torch.Tensor, values: bool = 
             for stride in cache.stride()[:-1]:
                 while stride % align:
                     align //= 2
-    formats = dict(KV=_format(k_cache), KV_V=_format(caches[1])) if values else dict(KV=_format(k_cache))
+    formats = (
+        dict(KV=_format(k_cache), KV_V=_format(caches[1])) if values else dict(KV=_format(k_cache))
+    )
     return dict(**formats, ALIGN=align)
 
 

@@ -41,6 +41,8 @@ PAIRS = ["int8/int4", "int4/fp8_e4m3"]
 def cache_dtypes(fmt: str) -> tuple[torch.dtype, torch.dtype]:
     """The key and value caches' dtypes of a format or pair."""
     return tuple(KV_DTYPES[d] for d in kv_pair(fmt))
+
+
 NAN16 = torch.tensor([float("nan")], dtype=torch.float16).view(torch.uint8)
 NAN32 = torch.tensor([float("nan")]).view(torch.uint8)
 

@@ -152,22 +152,26 @@ def test_every_model_dtype_and_target_launches_every_kernel(rows):
     seen = defaultdict(set)
     for row in rows:
         seen[row["model"], row["dtype"], row["kv"], row["target"]].add(row["kernel"])
-    expected = {
-        (m, d, kernel_variants.kv_name(dtype) if m in kernel_variants.MODELS else "", t)
-        for m in (*kernel_variants.MODELS, *kernel_variants.QUANT_MODELS)
-        for d, dtype in kernel_variants.DTYPES.items()
-        for t in targets()
-    } | {
-        (m, kernel_variants.KV_MODEL_DTYPE, kv, t)
-        for m in kernel_variants.KV_MODELS
-        for kv in kernel_variants.KV_DTYPES
-        for t in targets()
-    } | {
-        (m, kernel_variants.KV_MODEL_DTYPE, kv, t)
-        for m in kernel_variants.KV_PAIR_MODELS
-        for kv in kernel_variants.KV_PAIRS
-        for t in targets()
-    }
+    expected = (
+        {
+            (m, d, kernel_variants.kv_name(dtype) if m in kernel_variants.MODELS else "", t)
+            for m in (*kernel_variants.MODELS, *kernel_variants.QUANT_MODELS)
+            for d, dtype in kernel_variants.DTYPES.items()
+            for t in targets()
+        }
+        | {
+            (m, kernel_variants.KV_MODEL_DTYPE, kv, t)
+            for m in kernel_variants.KV_MODELS
+            for kv in kernel_variants.KV_DTYPES
+            for t in targets()
+        }
+        | {
+            (m, kernel_variants.KV_MODEL_DTYPE, kv, t)
+            for m in kernel_variants.KV_PAIR_MODELS
+            for kv in kernel_variants.KV_PAIRS
+            for t in targets()
+        }
+    )
     assert set(seen) == expected
     wrong = {key: kernels for key, kernels in seen.items() if kernels != _kernels(key[0], key[2])}
     assert not wrong, wrong

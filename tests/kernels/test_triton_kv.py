@@ -319,12 +319,16 @@ def _step_metadata(caches: Caches, chunks: list[tuple[int, int]], num_decodes: i
     )  # fmt: skip
 
 
-ENGINE_CASES = [
-    pytest.param(dtype, name, id=f"{NAMES[dtype]}-{name}")
-    for dtype in QUANTIZED
-    for name in LAYOUTS
-    if name != "mla576"
-] + [pytest.param(PAIR, name, id=f"int8+int4-{name}") for name in ("gqa", "ring")] + [pytest.param(torch.bfloat16, "gqa", id="bf16-gqa")]
+ENGINE_CASES = (
+    [
+        pytest.param(dtype, name, id=f"{NAMES[dtype]}-{name}")
+        for dtype in QUANTIZED
+        for name in LAYOUTS
+        if name != "mla576"
+    ]
+    + [pytest.param(PAIR, name, id=f"int8+int4-{name}") for name in ("gqa", "ring")]
+    + [pytest.param(torch.bfloat16, "gqa", id="bf16-gqa")]
+)
 
 
 @pytest.mark.parametrize(("dtype", "layout"), ENGINE_CASES)
