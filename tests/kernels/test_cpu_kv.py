@@ -19,7 +19,6 @@ import torch
 
 from kernels import cpu, reference
 from kernels.backend import AttentionMetadata, get_backend
-from models.kv_spec import kv_pair
 from kernels.kv_quant import (
     GROUP_BYTES,
     KV_DTYPES,
@@ -29,6 +28,7 @@ from kernels.kv_quant import (
     quantize,
     rotate,
 )
+from models.kv_spec import kv_pair
 
 why = cpu.load()
 pytestmark = pytest.mark.skipif(why is not None, reason=f"kernels.cpu unavailable: {why}")
