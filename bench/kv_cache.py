@@ -6,14 +6,16 @@ speed.
         [--dtypes float32,float16,bfloat16,int8,fp8_e4m3,int4,int8/int4]
         [--peer-types f16,q8_0,q4_0,q8_0/q4_0] [--skip-speed] [--out PREFIX]
 
-A dtype ``K/V`` stores keys in K and values in V; a peer type ``K/V`` runs ``-ctk K -ctv V``.
+A dtype ``K/V`` stores keys in K and values in V, ``DTYPE+N`` keeps the last N tokens beside
+it (``--kv-cache-recent-tokens``); a peer type ``K/V`` runs ``-ctk K -ctv V``.
 
 - Quality: the first ``--tokens`` tokens of the text in one context, teacher forced; the rows
   of its second half count, as ``llama-perplexity`` scores one chunk of ``-c --tokens``:
   perplexity, mean and 99th-percentile KL divergence and top-1 agreement against the
   float32-KV run (``quality.kv_dtype_costs``). llama.cpp: ``llama-perplexity --chunks 1 -fa on``
   with ``-ctk/-ctv f32`` saving the base logits, then each type with ``--kl-divergence``.
-- Capacity: the bytes one token holds in all layers, against float32's.
+- Capacity: the bytes one token holds in all layers, against float32's (of a 4096-token
+  sequence, whose recent tokens are held twice).
 - Decode at 4k context, 8 concurrent: 8 prompts of 4096 tokens are prefilled once; then the same
   prompts (their blocks found in the prefix cache) generate 64 tokens each, three times: output
   tok/s, median.
@@ -94,7 +96,7 @@ def prompts_of(ids: list[int], n: int, length: int) -> list[list[int]]:
 
 def decode_speed(base: EngineArgs, ids: list[int], kv: str, repeats: int = 3) -> float:
     """Output tok/s of 8 sequences decoding 64 tokens each over 4096-token contexts."""
-    args = dataclasses.replace(base, kv_cache_dtype=kv, kv_cache_memory_gib=1.0,
+    args = dataclasses.replace(base, **quality.kv_settings(kv), kv_cache_memory_gib=1.0,
                                max_model_len=4224, max_num_batched_tokens=2048)  # fmt: skip
     llm = LLM(**dataclasses.asdict(args))
     prompts = prompts_of(ids, 8, 4096)
@@ -110,7 +112,7 @@ def decode_speed(base: EngineArgs, ids: list[int], kv: str, repeats: int = 3) ->
 
 def small_pool(base: EngineArgs, ids: list[int], kv: str) -> dict:
     """16 requests of 1536 prompt + 512 output tokens at once in a 256 MiB pool."""
-    args = dataclasses.replace(base, kv_cache_dtype=kv, kv_cache_memory_gib=0.25,
+    args = dataclasses.replace(base, **quality.kv_settings(kv), kv_cache_memory_gib=0.25,
                                max_model_len=2048, max_num_batched_tokens=2048)  # fmt: skip
     llm = LLM(**dataclasses.asdict(args))
     params = SamplingParams(max_tokens=512, temperature=0, ignore_eos=True)
@@ -200,8 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     print(costs, flush=True)
     from engine.capacity import make_plan
 
-    capacity = {kv: make_plan(str(path), 1, 4096, 16, "float32", kv_cache_dtype=kv).bytes_per_token
-                for kv in dtypes}  # fmt: skip
+    def plan(name: str):
+        settings = quality.kv_settings(name)
+        return make_plan(str(path), 1, 4096, 16, "float32",
+                         kv_cache_dtype=settings["kv_cache_dtype"],
+                         kv_recent_tokens=settings["kv_cache_recent_tokens"])  # fmt: skip
+
+    capacity = {kv: plan(kv).bytes_per_full_sequence // 4096 for kv in dtypes}
     decode, pool = {}, {}
     if not args.skip_speed:
         for kv in args.speed_dtypes.split(","):

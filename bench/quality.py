@@ -611,13 +611,23 @@ class KVDtypeCost:
     top1: float  # the share of rows whose most likely token is the float32-KV run's
 
 
+def kv_settings(name: str) -> dict:
+    """The engine settings a cache is named by: ``--kv-cache-dtype``, or ``DTYPE+N`` with the
+    last N tokens kept beside it (``--kv-cache-recent-tokens``)."""
+    kv, plus, recent = name.partition("+")
+    if plus and not recent.isdigit():
+        raise ValueError(f"{name!r}: a cache is DTYPE or DTYPE+N (recent tokens)")
+    return dict(kv_cache_dtype=kv, kv_cache_recent_tokens=int(recent or 0))
+
+
 def kv_dtype_costs(
     base: EngineArgs,
     tokens: Sequence[int],
     kv_dtypes: Sequence[str],
     rows: range | None = None,
 ) -> dict[str, KVDtypeCost]:
-    """Per KV cache dtype (``--kv-cache-dtype`` values), ``tokens`` read in one context (no
+    """Per KV cache dtype (``--kv-cache-dtype`` values, or ``kv_settings``' names), ``tokens``
+    read in one context (no
     overflow policy) with ``base``'s other settings: perplexity, mean and 99th-percentile KLD
     and top-1 agreement against the float32-KV run of the same tokens.
 
@@ -629,7 +639,7 @@ def kv_dtype_costs(
     reference = reference_run(base, tokens, rows)
     costs = {}
     for kv in kv_dtypes:
-        args = dataclasses.replace(base, kv_cache_dtype=kv)
+        args = dataclasses.replace(base, **kv_settings(kv))
         r, cost = full_context_cost(args, tokens, reference)
         costs[kv] = KVDtypeCost(kv, r.kv_dtype, *cost)
     return costs

@@ -252,9 +252,10 @@ def whole_distributions(records) -> torch.Tensor:
 
 
 def api_rows(path, tokens: list[int], kv: str) -> torch.Tensor:
-    """The whole next-token distributions of tokens[1:], read in one context, from the API."""
-    llm = LLM(str(path), dtype="float32", device="cpu", block_size=BLOCK, kv_cache_dtype=kv,
-              max_model_len=len(tokens) + 1)  # fmt: skip
+    """The whole next-token distributions of tokens[1:], read in one context, from the API
+    (``kv``: a cache as ``quality.kv_settings`` names it)."""
+    llm = LLM(str(path), dtype="float32", device="cpu", block_size=BLOCK,
+              max_model_len=len(tokens) + 1, **quality.kv_settings(kv))  # fmt: skip
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=SMALL_VOCAB)
     (out,) = llm.generate([tokens], params)
     return whole_distributions(out.prompt_logprobs[1:])
@@ -265,18 +266,30 @@ def kl(ref: torch.Tensor, logq: torch.Tensor) -> np.ndarray:
     return F.kl_div(logq, ref, log_target=True, reduction="none").sum(-1).numpy()
 
 
+def test_a_cache_is_named_by_its_dtype_and_recent_tokens():
+    assert quality.kv_settings("int8/int4") == dict(
+        kv_cache_dtype="int8/int4", kv_cache_recent_tokens=0
+    )
+    assert quality.kv_settings("int4+128") == dict(
+        kv_cache_dtype="int4", kv_cache_recent_tokens=128
+    )
+    with pytest.raises(ValueError, match="recent tokens"):
+        quality.kv_settings("int4+x")
+
+
 def test_a_kv_dtype_costs_what_the_apis_whole_distributions_say(wide):
     """float32 against itself costs nothing; int8, int8 keys beside int4 values and int4 cost
     a positive, finite KLD, int4 more than int8; every figure equals one computed from the
     API's logprobs of plain engines, whose float32 run is a transformers forward over the text."""
     path, model = wide
     tokens = random_prompt(160, SMALL_VOCAB, seed=5)
-    kvs = ["float32", "int8", "int8/int4", "int4"]
+    kvs = ["float32", "int8", "int8/int4", "int4", "int4+40"]
     costs = quality.kv_dtype_costs(base_args(path), tokens, kvs)
-    f32, i8, pair, i4 = (costs[kv] for kv in kvs)
+    f32, i8, pair, i4, recent = (costs[kv] for kv in kvs)
     assert (f32.kld_mean, f32.kld_p99, f32.top1, f32.rows) == (0.0, 0.0, 1.0, 159)
     assert 0 < i8.kld_mean < i4.kld_mean < math.inf
     assert 0 < pair.kld_mean < math.inf
+    assert 0 < recent.kld_mean < i4.kld_mean  # the last 40 tokens read unquantized
     assert i8.kld_p99 >= i8.kld_mean and i4.kld_p99 >= i4.kld_mean
 
     with torch.no_grad():

@@ -88,7 +88,9 @@ def test_logits_are_transformers_reading_older_tokens_quantized_and_recent_ones_
 def test_a_window_past_the_context_is_the_float_cache(models):
     prompts = [random_prompt(n, VOCAB, seed=n) for n in (7, 30)]
     whole = tokens(make(models / "llama", "int4", recent=200).generate(prompts, greedy(20)))
-    assert whole == tokens(make(models / "llama", "float16", recent=0).generate(prompts, greedy(20)))
+    assert whole == tokens(
+        make(models / "llama", "float16", recent=0).generate(prompts, greedy(20))
+    )
 
 
 @pytest.mark.parametrize("model,kv", [("llama", "int4"), ("gemma3", "int8/int4")])
