@@ -285,13 +285,18 @@ class AttentionBackend(ABC):
         self.write_kv(k, v, kv_cache, meta.slot_mapping)
         self.write_kv(k, v, recent_cache, recent_meta.slot_mapping)
         if nd:
-            d, rd = meta.decodes, recent_meta.decodes
-            outs.insert(0, reference.recent_decode_attention(
-                q[:nd], *kv_cache, d.block_tables, d.seq_lens, *recent_cache, rd.block_tables,
-                rd.window, scale, d.window,
+            outs.insert(0, self.recent_decode(
+                q[:nd], kv_cache, meta.decodes, recent_cache, recent_meta.decodes, scale
             ))  # fmt: skip
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.to(q.dtype)
+
+    def recent_decode(self, q, kv_cache: KVCache, meta, recent_cache: KVCache, recent_meta, scale):
+        """``decode`` of a layer with recent rows (``_attend_recent``), its rows written."""
+        return reference.recent_decode_attention(
+            q, *kv_cache, meta.block_tables, meta.seq_lens, *recent_cache,
+            recent_meta.block_tables, recent_meta.window, scale, meta.window,
+        )  # fmt: skip
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slots) -> None:
         """A step's new keys and values into the layer's cache (MLA's values are part of its
@@ -533,6 +538,14 @@ class CpuBackend(TorchBackend):
             )  # fmt: skip
         return _reference_decode(q, kv_cache, meta, scale, scores)
 
+    def recent_decode(self, q, kv_cache, meta, recent_cache, recent_meta, scale):
+        if not all(self._cpu.takes_cache(c) for c in (*kv_cache, *recent_cache)):
+            return super().recent_decode(q, kv_cache, meta, recent_cache, recent_meta, scale)
+        recent = (*recent_cache, recent_meta.block_tables, recent_meta.window)
+        return self._cpu.decode_attention(
+            q, *kv_cache, meta.block_tables, meta.seq_lens, scale, meta.window, recent=recent
+        )
+
     def _takes_scores(self, scores, meta) -> bool:
         """Whether the kernels add to these scores (None: none to add): full attention only."""
         return scores is None or (meta.window == 0 and self._cpu.takes_scores(scores))
@@ -600,10 +613,10 @@ class CpuBackend(TorchBackend):
         weights = [layer.weights for layer in layers]
         if any(p.bias is not None for w in weights for p in w.gate_up + w.down):
             return None
-        if any(batch.recent(layer.layer_id) is not None for layer in layers):
-            return None  # the fused layers read one cache a layer
         caches, metas = zip(*(batch.layer(layer.layer_id) for layer in layers))
-        if not all(self._cpu.takes_cache(c) for kv in caches for c in kv):
+        recents = [batch.recent(layer.layer_id) for layer in layers]
+        held = [c for kv in caches for c in kv] + [c for r in recents if r for c in r[0]]
+        if not all(self._cpu.takes_cache(c) for c in held):
             return None
         kept = [batch.layer_scores(layer.layer_id) for layer in layers]
         added = [s if m.score_from is not None else None for s, m in zip(kept, metas)]
@@ -613,8 +626,9 @@ class CpuBackend(TorchBackend):
             if s is not None:
                 reference.clear_scores(s, m.slot_mapping)
         return self._cpu.decoder_layers(
-            x, rope, weights, list(caches), list(metas), layers[0].constants, added
-        )
+            x, rope, weights, list(caches), list(metas), layers[0].constants, added,
+            recents=recents,
+        )  # fmt: skip
 
 
 class TritonBackend(AttentionBackend):

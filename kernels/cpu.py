@@ -231,14 +231,18 @@ def decode_attention(
     scores: torch.Tensor | None = None,
     score_from: torch.Tensor | None = None,
     isa: str | None = None,
+    recent: tuple | None = None,
 ):
     """As ``reference.decode_attention``, without gathering the context first: the caches read
     in their format (``takes_cache``), in float32 whatever q's dtype. ``scores`` (float32,
     contiguous; full attention only) get the attention of the sequences ``score_from`` counts,
-    as the reference adds it."""
+    as the reference adds it. ``recent``: (k cache, v cache, block tables, tokens) of the
+    layer's recent rows, read as ``reference.recent_decode_attention`` reads them."""
+    rk, rv, rtables, tokens = recent or (None, None, None, 0)
     out = ops(isa).decode_attention(
-        q.float(), k_cache, v_cache, block_tables, seq_lens, scale, window, scores, score_from
-    )
+        q.float(), k_cache, v_cache, block_tables, seq_lens, scale, window, scores, score_from,
+        rk, rv, rtables, tokens,
+    )  # fmt: skip
     return out.to(q.dtype)
 
 
@@ -277,6 +281,7 @@ def decoder_layers(
     config: tuple,
     scores: list | None = None,
     isa: str | None = None,
+    recents: list | None = None,
 ):
     """Pre-norm decoder layers for a step's new tokens (decodes and prefill chunks), in one call
     (see ``csrc/cpu/decoder_layer.h``). Per layer: ``rope`` its (cos, sin) per token, ``layers``
@@ -287,9 +292,17 @@ def decoder_layers(
     (``DecoderLayerWeights.named_tensors``): the kernel binds each to its slot by that name.
     ``scores``: per layer its importance scores or None; a layer's are added to as
     ``decode_attention``'s, the rows its meta's ``score_from`` counts (its slots already
-    cleared: ``reference.clear_scores``)."""
+    cleared: ``reference.clear_scores``). ``recents``: per layer the (k cache, v cache) and
+    ``AttentionMetadata`` of its recent rows, or None (``reference.recent_prefill_attention``
+    and ``recent_decode_attention`` read them)."""
     eps, offset, scale, heads, act = config
     scores = scores or [None] * len(layers)
+    recents = recents or [None] * len(layers)
+    nothing = (None, None, None, None, 0)
+    recent_args = [
+        nothing if r is None else (*r[0], r[1].slot_mapping, r[1].block_tables, r[1].window)
+        for r in recents
+    ]
     froms = [None if s is None else m.score_from for s, m in zip(scores, metas)]
     named = [w.named_tensors() for w in layers]
     # Layers may store a matrix in different numbers of parts: the names of all, None where a
@@ -304,6 +317,7 @@ def decoder_layers(
         [m.seq_lens for m in metas], [m.prefix_lens for m in metas],
         [m.cu_seqlens_q for m in metas], [m.num_decodes for m in metas],
         [m.window for m in metas], eps, offset, scale, heads, ACTIVATIONS[act], scores, froms,
+        *(list(column) for column in zip(*recent_args)),
     )  # fmt: skip
 
 

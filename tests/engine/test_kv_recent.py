@@ -85,6 +85,24 @@ def test_logits_are_transformers_reading_older_tokens_quantized_and_recent_ones_
     assert_pool_whole(llm)
 
 
+@pytest.mark.parametrize("model,kv", [("llama", "int8/int4"), ("gemma3", "int4")])
+def test_the_fused_cpu_layers_read_the_window_as_the_torch_backend(models, model, kv, monkeypatch):
+    """Decodes beside prefill chunks (a budget of 16 tokens a step), through the C++ decoder
+    layers, which write and read the recent rows themselves."""
+    from kernels import cpu
+
+    calls = []
+    fused = cpu.decoder_layers
+    monkeypatch.setattr(cpu, "decoder_layers", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    prompts = [random_prompt(n, VOCAB, seed=n) for n in (3, 30, 45)]
+    outs = {}
+    for backend in ("cpu", "torch"):
+        llm = make(models / model, kv, attention_backend=backend, max_num_batched_tokens=16)
+        outs[backend] = tokens(llm.generate(prompts, greedy(30)))
+        assert_pool_whole(llm)
+    assert calls and outs["cpu"] == outs["torch"]
+
+
 def test_a_window_past_the_context_is_the_float_cache(models):
     prompts = [random_prompt(n, VOCAB, seed=n) for n in (7, 30)]
     whole = tokens(make(models / "llama", "int4", recent=200).generate(prompts, greedy(20)))

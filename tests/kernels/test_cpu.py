@@ -356,7 +356,7 @@ def run_step(cfg, fast, plain, seqs, monkeypatch, plain_backend="torch"):
 
     calls = []
     fused = cpu.decoder_layers
-    monkeypatch.setattr(cpu, "decoder_layers", lambda *a: calls.append(1) or fused(*a))
+    monkeypatch.setattr(cpu, "decoder_layers", lambda *a, **k: calls.append(1) or fused(*a, **k))
     out_plain, caches_plain, _ = run(plain, plain_backend)
     out_fast, caches_fast, _ = run(fast, "cpu")
     assert calls == [1]  # all the layers in one call

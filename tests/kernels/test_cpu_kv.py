@@ -200,6 +200,30 @@ def test_decode_attention_reads_what_the_reference_reads(isa, fmt, layout, dim, 
     torch.testing.assert_close(ours, ref, **tolerance(fmt))
 
 
+@pytest.mark.parametrize("isa", cpu.isas())
+@pytest.mark.parametrize("fmt,ring", [("int8", "float16"), ("int4", "float32"),
+                                      ("int8/int4", "bfloat16")])  # fmt: skip
+@pytest.mark.parametrize("layout", ["gqa", "parts", "ring"])
+@pytest.mark.parametrize("tokens", [7, 20])
+def test_decode_attention_reads_recent_rows_as_the_reference_reads_them(
+    isa, fmt, ring, layout, tokens
+):
+    """A sequence's last ``tokens`` positions from the recent rows (a ring of that window),
+    older ones from the main cache (itself a ring with a window)."""
+    hq, hkv, window, lens, _ = LAYOUTS[layout]
+    dims, bs = (64, 64), 8
+    main = paged(lens, bs, hkv, dims, cache_dtypes(fmt), window, seed=3)
+    rk, rv, rtables, _ = paged(lens, bs, hkv, dims, KV_DTYPES[ring], tokens, seed=4)
+    q = torch.randn(len(lens), hq, 64, generator=torch.Generator().manual_seed(5))
+    k_cache, v_cache, tables, seq_lens = main
+    ours = cpu.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, window, isa=isa,
+                                recent=(rk, rv, rtables, tokens))  # fmt: skip
+    ref = reference.recent_decode_attention(q, k_cache, v_cache, tables, seq_lens, rk, rv,
+                                            rtables, tokens, 0.125, window)  # fmt: skip
+    assert not ours.isnan().any()
+    torch.testing.assert_close(ours, ref, **tolerance(fmt))
+
+
 def test_decode_attention_refuses_int4_values_rotated_in_other_blocks():
     k_cache, v_cache, tables, lens = paged([5], 4, 1, (96, 64), torch.uint8, 0, 0, None, True)
     with pytest.raises(RuntimeError, match="rotation blocks"):
@@ -369,7 +393,7 @@ def test_fused_decoder_layers_match_the_modules_in_every_format(
     inputs = step_inputs(cfg, plain, seqs, cache_dtypes(fmt))
     calls = []
     fused = cpu.decoder_layers
-    monkeypatch.setattr(cpu, "decoder_layers", lambda *a: calls.append(1) or fused(*a))
+    monkeypatch.setattr(cpu, "decoder_layers", lambda *a, **k: calls.append(1) or fused(*a, **k))
     out_plain, caches_plain = run_step(plain, "torch", inputs)
     out_fast, caches_fast = run_step(fast, "cpu", inputs)
     assert calls == [1]  # all the layers in one call

@@ -23,6 +23,12 @@ struct QueryState {
   float *kept = nullptr, *maxima = nullptr;
 };
 
+// What a tile's attention needs to know of its rows and queries.
+struct TileShape {
+  int64_t Dk, Dv, tile;  // tile: the most rows of a tile (scores per query)
+  float scale;
+};
+
 AttentionScratch::AttentionScratch() = default;
 AttentionScratch::~AttentionScratch() = default;
 
@@ -32,11 +38,6 @@ namespace {
 // query that attends them reads them.
 int64_t tile_rows(int64_t D) { return std::clamp<int64_t>(4096 / D / 8 * 8, 8, 32); }
 
-// What a tile's attention needs to know of its rows and queries.
-struct TileShape {
-  int64_t Dk, Dv, tile;  // tile: the most rows of a tile (scores per query)
-  float scale;
-};
 
 // Space for a unit of n rows and `queries` queries, `counted` of which keep their weights.
 void prepare(AttentionScratch& s, int64_t n, int64_t queries, const TileShape& t, int64_t rotated,
@@ -134,12 +135,20 @@ QueryState query_of(const float* q, int64_t Dk, float* rotated, float* out, int6
   return {q, out, lo, hi, -INFINITY, 0.f};
 }
 
-// The query's output normalized (quantized formats: rotated back); zeros without rows.
-template <KvFormat F>
+// The queries' running outputs rotated back, once the rows of a format that stores values
+// rotated (FV) are taken: the rotation is linear, so the unnormalized sums turn as the outputs
+// would, and rows of another format (recent ones) may follow.
+template <KvFormat FV>
+void unrotate(QueryState* qs, int64_t n, int64_t Dv) {
+  if constexpr (stored_rotated(FV))
+    for (int64_t j = 0; j < n; ++j) hadamard(qs[j].out, Dv);
+}
+
+// The query's output normalized; zeros without rows.
 void finish(const QueryState& qs, int64_t Dv) {
   scale_row(qs.out, Dv, qs.sum > 0.f ? 1.f / qs.sum : 0.f);
-  if constexpr (stored_rotated(F)) hadamard(qs.out, Dv);
 }
+
 
 // dst [the unit's rows] += the probabilities that the query, its softmax done, pays its rows
 // (dst = them, when not `add`): its kept weights, each tile's moved from the max of its time to
@@ -169,6 +178,7 @@ PagedAttention::PagedAttention(const CacheView& cache_, const Queries& q_, const
   if (parts > 1) partial = at::empty({units() * q.heads * (2 + cache.v.dim)}, at::kFloat);
   if (sink.into == nullptr) return;
   TORCH_CHECK(cache.window == 0, "importance scores are kept for full attention only");
+  TORCH_CHECK(cache.recent.tokens == 0, "importance scores are kept without recent rows");
   mass_at.assign(B, -1);
   const int64_t rows = cache.k.heads * rows_per_kv_head();
   int64_t total = 0;
@@ -192,32 +202,59 @@ void PagedAttention::unit_in(int64_t u, AttentionScratch& s) const {
   const int64_t whole = span(b), lo = first(b) + whole * part / parts;
   const int64_t hi = first(b) + whole * (part + 1) / parts, n = hi - lo;
   const CacheRows &k = cache.k, &v = cache.v;
+  const RecentRows& recent = cache.recent;
   const int64_t Hq = q.heads, G = Hq / k.heads, Dk = k.dim, Dv = v.dim;
   const TileShape shape{Dk, Dv, tile_rows(std::max(Dk, Dv)), q.scale};
+  // Positions from `split` on are read from the recent rows.
+  const int64_t split =
+      recent.tokens > 0 ? std::clamp<int64_t>(lens[b] - recent.tokens, lo, hi) : hi;
   prepare(s, n, Hq, shape, stored_rotated(FK) ? Hq * Dk : 0, counted(b) ? Hq : 0);
   // Head 0's rows of positions lo .. hi - 1, one table lookup per block (a ring of W with a
   // window); each further head's rows are these moved by the head stride.
   for (int64_t pos = lo; pos < hi;) {
-    const auto [kr, vr] = cache.rows(b, pos);
-    const int64_t m = std::min(k.bs - pos % k.bs, hi - pos);
+    const bool old = pos < split;
+    const auto [kr, vr] = old ? cache.rows(b, pos) : recent.rows(b, pos);
+    const CacheRows &kc = old ? k : recent.k, &vc = old ? v : recent.v;
+    const int64_t m = std::min(kc.bs - pos % kc.bs, (old ? split : hi) - pos);
     for (int64_t j = 0; j < m; ++j) {
-      s.krows[pos - lo + j] = kr + j * k.s1;
-      s.vrows[pos - lo + j] = vr + j * v.s1;
+      s.krows[pos - lo + j] = kr + j * kc.s1;
+      s.vrows[pos - lo + j] = vr + j * vc.s1;
     }
     pos += m;
   }
+  const auto query = [&](int64_t hq) { return q.q + b * q.stride + hq * Dk; };
   for (int64_t hq = 0; hq < Hq; ++hq) {
     float* out = parts > 1 ? partial.data_ptr<float>() + (u * Hq + hq) * (2 + Dv) + 2
                            : q.out + (b * Hq + hq) * Dv;
-    s.queries[hq] = query_of<FK>(q.q + b * q.stride + hq * Dk, Dk, s.rotated.data() + hq * Dk,
-                                out, Dv, 0, n);
+    s.queries[hq] = query_of<FK>(query(hq), Dk, s.rotated.data() + hq * Dk, out, Dv, 0, n);
     if (counted(b)) keep(s.queries[hq], s, hq, n, shape);
   }
+  attend_rows<FK, FV>(0, split - lo, k, v, shape, s);
+  unrotate<FV>(s.queries.data(), Hq, Dv);
+  if (split < hi) {
+    for (int64_t hq = 0; hq < Hq; ++hq) s.queries[hq].q = query(hq);
+    with_format(recent.k.format, [&](auto f) {
+      constexpr KvFormat F = decltype(f)::value;
+      attend_rows<F, F>(split - lo, n, recent.k, recent.v, shape, s);
+    });
+  }
+  for (int64_t hq = 0; hq < Hq; ++hq) {
+    const QueryState& qs = s.queries[hq];
+    finish(qs, Dv);
+    if (parts > 1) qs.out[-2] = qs.mx, qs.out[-1] = qs.sum;
+  }
+  if (counted(b)) keep_probabilities(b, lo - first(b), s.queries.data(), shape.tile);
+}
+
+template <KvFormat FK, KvFormat FV>
+void PagedAttention::attend_rows(int64_t a, int64_t end, const CacheRows& k, const CacheRows& v,
+                                 const TileShape& shape, AttentionScratch& s) const {
+  const int64_t G = q.heads / k.heads;
   // A tile's rows of every head in turn: the slot's rows of all heads leave memory once.
   const int64_t ahead_k = (k.heads - 1) * k.s2 + k.row_bytes();
   const int64_t ahead_v = (v.heads - 1) * v.s2 + v.row_bytes();
-  for (int64_t t0 = 0; t0 < n; t0 += shape.tile) {
-    const int64_t m = std::min(shape.tile, n - t0), next = std::min(shape.tile, n - t0 - m);
+  for (int64_t t0 = a; t0 < end; t0 += shape.tile) {
+    const int64_t m = std::min(shape.tile, end - t0), next = std::min(shape.tile, end - t0 - m);
     request(s.krows.data() + t0 + m, next, ahead_k);
     request(s.vrows.data() + t0 + m, next, ahead_v);
     for (int64_t h = 0; h < k.heads; ++h) {
@@ -225,16 +262,10 @@ void PagedAttention::unit_in(int64_t u, AttentionScratch& s) const {
         s.ktile[i] = s.krows[t0 + i] + h * k.s2;
         s.vtile[i] = s.vrows[t0 + i] + h * v.s2;
       }
-      attend_tile<FK, FV>(s.queries.data() + h * G, G, s.ktile.data(), s.vtile.data(), t0, m, shape,
-                     s);
+      attend_tile<FK, FV>(s.queries.data() + h * G, G, s.ktile.data(), s.vtile.data(), t0, m,
+                          shape, s);
     }
   }
-  for (int64_t hq = 0; hq < Hq; ++hq) {
-    const QueryState& qs = s.queries[hq];
-    finish<FV>(qs, Dv);
-    if (parts > 1) qs.out[-2] = qs.mx, qs.out[-1] = qs.sum;
-  }
-  if (counted(b)) keep_probabilities(b, lo - first(b), s.queries.data(), shape.tile);
 }
 
 // Sequence b's mass from position `at` of its span on, over a unit's rows <- the probabilities
@@ -299,6 +330,7 @@ PrefillAttention::PrefillAttention(const CacheView& cache_, const Queries& q_,
   }
   if (sink.into == nullptr) return;
   TORCH_CHECK(cache.window == 0, "importance scores are kept for full attention only");
+  TORCH_CHECK(cache.recent.tokens == 0, "importance scores are kept without recent rows");
   mass_at.assign(seq.size(), -1);
   int64_t total = 0;
   for (size_t i = 0; i < seq.size(); ++i) {
@@ -331,6 +363,7 @@ void PrefillAttention::unit(int64_t u, AttentionScratch& s) const {
 template <KvFormat FK, KvFormat FV>
 void PrefillAttention::unit_in(int64_t u, AttentionScratch& s) const {
   const CacheRows &k = cache.k, &v = cache.v;
+  const RecentRows& recent = cache.recent;
   const int64_t Hkv = k.heads, Dk = k.dim, Dv = v.dim, G = q.heads / Hkv;
   const int64_t i = u / Hkv, b = seq[i], h = u % Hkv, r0 = row0[i];
   const int64_t c0 = cu[b], r1 = std::min<int64_t>(r0 + ROWS, cu[b + 1]), P = prefix[b];
@@ -338,7 +371,9 @@ void PrefillAttention::unit_in(int64_t u, AttentionScratch& s) const {
   const TileShape shape{Dk, Dv, tile_rows(std::max(Dk, Dv)), q.scale};
   const bool scored = !mass_at.empty() && mass_at[i] >= 0;
   const int64_t counted = scored ? first_counted(i) : r1;  // rows counted .. r1 - 1 count
+  const int64_t R = recent.tokens;
   prepare(s, n, nq, shape, stored_rotated(FK) ? nq * Dk : 0, (r1 - counted) * G);
+  if (R > 0) s.rkrows.resize(n), s.rvrows.resize(n);
   for (int64_t pos = lo; pos < hi; ++pos) {
     if (pos < P) {
       const auto [k0, v0] = cache.rows(b, pos);
@@ -348,23 +383,57 @@ void PrefillAttention::unit_in(int64_t u, AttentionScratch& s) const {
       s.krows[pos - lo] = fresh.k + j * fresh.k_row + h * fresh.k_head;
       s.vrows[pos - lo] = fresh.v + j * fresh.v_row + h * fresh.v_head;
     }
+    // The recent rows hold the positions a query of the unit reads from them.
+    if (R == 0 || pos <= P + r0 - c0 - R) continue;
+    if (pos < P) {
+      const auto [k0, v0] = recent.rows(b, pos);
+      s.rkrows[pos - lo] = k0 + h * recent.k.s2, s.rvrows[pos - lo] = v0 + h * recent.v.s2;
+    } else {
+      const int64_t at = (c0 + pos - P) * fresh.r_row + h * fresh.r_head;
+      s.rkrows[pos - lo] = fresh.rk + at, s.rvrows[pos - lo] = fresh.rv + at;
+    }
   }
+  // Query row r at position pos reads the older rows lowest(pos) .. split(pos) - 1 of the
+  // main cache, the rest up to pos of the recent rows.
+  const auto split = [&](int64_t pos) { return R > 0 ? std::max(lowest(pos), pos - R + 1) : pos + 1; };
+  int64_t main_end = 0, recent_start = n;
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t pos = P + r - c0;
+    main_end = std::max(main_end, split(pos) - lo);
+    recent_start = std::min(recent_start, split(pos) - lo);
     for (int64_t g = 0; g < G; ++g) {
       const int64_t j = (r - r0) * G + g, hq = h * G + g;
       s.queries[j] = query_of<FK>(q.q + r * q.stride + hq * Dk, Dk, s.rotated.data() + j * Dk,
-                                 q.out + (r * q.heads + hq) * Dv, Dv, lowest(pos) - lo,
-                                 pos - lo + 1);
+                                  q.out + (r * q.heads + hq) * Dv, Dv, lowest(pos) - lo,
+                                  split(pos) - lo);
       if (r >= counted) keep(s.queries[j], s, (r - counted) * G + g, n, shape);
     }
   }
-  for (int64_t t0 = 0; t0 < n; t0 += shape.tile) {
-    const int64_t m = std::min(shape.tile, n - t0);
-    attend_tile<FK, FV>(s.queries.data(), nq, s.krows.data() + t0, s.vrows.data() + t0, t0, m, shape,
-                   s);
+  for (int64_t t0 = 0; t0 < main_end; t0 += shape.tile) {
+    const int64_t m = std::min(shape.tile, main_end - t0);
+    attend_tile<FK, FV>(s.queries.data(), nq, s.krows.data() + t0, s.vrows.data() + t0, t0, m,
+                        shape, s);
   }
-  for (int64_t j = 0; j < nq; ++j) finish<FV>(s.queries[j], Dv);
+  unrotate<FV>(s.queries.data(), nq, Dv);
+  if (R > 0) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t pos = P + r - c0;
+      for (int64_t g = 0; g < G; ++g) {
+        QueryState& qs = s.queries[(r - r0) * G + g];
+        qs.q = q.q + r * q.stride + (h * G + g) * Dk;
+        qs.lo = split(pos) - lo, qs.hi = pos - lo + 1;
+      }
+    }
+    with_format(recent.k.format, [&](auto f) {
+      constexpr KvFormat F = decltype(f)::value;
+      for (int64_t t0 = recent_start; t0 < n; t0 += shape.tile) {
+        const int64_t m = std::min(shape.tile, n - t0);
+        attend_tile<F, F>(s.queries.data(), nq, s.rkrows.data() + t0, s.rvrows.data() + t0, t0,
+                          m, shape, s);
+      }
+    });
+  }
+  for (int64_t j = 0; j < nq; ++j) finish(s.queries[j], Dv);
   if (!scored) return;
   float* m = mass.data_ptr<float>() + mass_at[i] + h * n;  // full attention: lo is 0
   std::fill_n(m, n, 0.f);

@@ -23,6 +23,21 @@
 
 namespace kvserve {
 
+// A layer's recent tokens (models.kv_spec.with_recent): each sequence's last `tokens`
+// positions also held in rows of a float format (never rotated), a ring of W blocks per
+// sequence. A query at position t reads its keys and values at t - tokens < p <= t from here,
+// older ones from the main cache. tokens 0: none.
+struct RecentRows {
+  CacheRows k{}, v{};
+  const int32_t* tables = nullptr;  // [sequences, W]
+  int64_t W = 0, tokens = 0;
+
+  std::pair<const uint8_t*, const uint8_t*> rows(int64_t b, int64_t pos) const {
+    const int64_t block = tables[b * W + (pos / k.bs) % W], off = pos % k.bs;
+    return {k.data + block * k.s0 + off * k.s1, v.data + block * v.s0 + off * v.s1};
+  }
+};
+
 // One layer's paged cache as attention reads it: per sequence a row of `tables`, W blocks (a
 // ring of W with a window), a slot's heads adjacent in its row. The value rows may have any
 // stride (MLA's values are a view of its key rows); keys and values share a format, or are
@@ -31,6 +46,7 @@ struct CacheView {
   CacheRows k, v;
   const int32_t* tables;  // [sequences, W]
   int64_t W, window;      // window 0: none
+  RecentRows recent{};
 
   // Head 0's key and value rows of sequence b at position pos; the next positions of its block
   // follow k.s1 and v.s1 apart.
@@ -49,6 +65,7 @@ struct AttentionMeta {
   const int64_t* slots;  // per new token its flat cache slot, -1: not kept
   const int32_t *seq_lens, *prefix_lens, *cu_seqlens_q;
   int64_t B, num_decodes;
+  const int64_t* recent_slots = nullptr;  // per new token its slot in the recent rows' ring
 };
 
 // Query rows: row r's head h at q + r * stride + h * head_dim, for h < heads; the scores
@@ -75,10 +92,12 @@ struct ScoreSink {
 int64_t score_owners(int64_t threads);
 
 struct QueryState;
+struct TileShape;
 
 // A thread's space for a unit's rows, queries and tiles, kept from unit to unit.
 struct AttentionScratch {
   std::vector<const uint8_t*> krows, vrows;  // the unit's rows (decode: of its first head)
+  std::vector<const uint8_t*> rkrows, rvrows;  // prefill: the same positions' recent rows
   std::vector<const uint8_t*> ktile, vtile;  // a tile's rows of one head
   std::vector<const float*> floats;          // a tile's rows as floats
   std::vector<float> tile, scores, rotated;  // converted rows, scores per query, rotated queries
@@ -132,15 +151,23 @@ struct PagedAttention {
   int64_t rows_per_kv_head() const { return parts > 1 ? q.heads / cache.k.heads : 1; }
   template <KvFormat FK, KvFormat FV>
   void unit_in(int64_t u, AttentionScratch& s) const;
+  // The unit's rows a .. end - 1 (s.krows, s.vrows: those of head 0 in k and v) taken by its
+  // queries, a tile at a time.
+  template <KvFormat FK, KvFormat FV>
+  void attend_rows(int64_t a, int64_t end, const CacheRows& k, const CacheRows& v,
+                   const TileShape& shape, AttentionScratch& s) const;
   void keep_probabilities(int64_t b, int64_t at, const QueryState* qs, int64_t tile) const;
 };
 
 // Where a prefill chunk's new keys and values are read: row r's key of head h at
 // k + r * k_row + h * k_head (its value at v + r * v_row + h * v_head), bytes in the caches'
-// formats, written for this step but not yet to the cache.
+// formats, written for this step but not yet to the cache; with recent tokens, the same rows in
+// the recent rows' format at rk, rv (r * r_row + h * r_head).
 struct NewRows {
   uint8_t *k, *v;
   int64_t k_row, k_head, v_row, v_head;
+  uint8_t *rk = nullptr, *rv = nullptr;
+  int64_t r_row = 0, r_head = 0;
 };
 
 // Prefill chunks attending causally to themselves and to their cached prefix, as

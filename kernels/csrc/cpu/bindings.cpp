@@ -90,14 +90,20 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens, double scale, int64_t window,
                                const std::optional<at::Tensor>& scores,
-                               const std::optional<at::Tensor>& score_from) {
+                               const std::optional<at::Tensor>& score_from,
+                               const std::optional<at::Tensor>& recent_k,
+                               const std::optional<at::Tensor>& recent_v,
+                               const std::optional<at::Tensor>& recent_tables, int64_t recent) {
   check_f32(q, "q");
   auto qc = q.contiguous();
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   const int64_t B = qc.size(0), Hq = qc.size(1), Dk = qc.size(2);
   check_paged(k_cache, v_cache, tables, lens, Hq, Dk);
-  const CacheView view = view_of(k_cache, v_cache, tables, window);
+  CacheView view = view_of(k_cache, v_cache, tables, window);
+  std::optional<at::Tensor> rtables;
+  if (recent_tables.has_value()) rtables = recent_tables->contiguous();
+  view.recent = recent_of(recent_k, recent_v, rtables, recent, view, B);
   auto out = at::empty({B, Hq, view.v.dim}, qc.options());
   const Queries queries{qc.data_ptr<float>(), Hq * Dk, Hq, static_cast<float>(scale),
                         out.data_ptr<float>()};
@@ -186,7 +192,8 @@ KVSERVE_LIBRARY(KVSERVE_OPS, m) {
   m.def(
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale, int window, Tensor(a!)? scores=None, "
-      "Tensor? score_from=None) -> Tensor");
+      "Tensor? score_from=None, Tensor? recent_k=None, Tensor? recent_v=None, "
+      "Tensor? recent_tables=None, int recent=0) -> Tensor");
   m.def("write_cache(Tensor(a!) cache, Tensor rows, Tensor slots) -> ()");
   m.def(
       "rotate_keys(Tensor(a!) cache, Tensor blocks, Tensor cos, Tensor sin, int start, "
@@ -206,7 +213,9 @@ KVSERVE_LIBRARY(KVSERVE_OPS, m) {
       "Tensor?[] weights, int[] weight_formats, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor[] slots, "
       "Tensor[] block_tables, Tensor[] seq_lens, Tensor[] prefix_lens, Tensor[] cu_seqlens_q, "
       "int[] num_decodes, int[] windows, float eps, float offset, float scale, int num_heads, "
-      "int act, Tensor(c!)?[] scores, Tensor?[] score_from) -> Tensor");
+      "int act, Tensor(c!)?[] scores, Tensor?[] score_from, Tensor(d!)?[] recent_k, "
+      "Tensor(e!)?[] recent_v, Tensor?[] recent_slots, Tensor?[] recent_tables, "
+      "int[] recents) -> Tensor");
 }
 
 KVSERVE_LIBRARY_IMPL(KVSERVE_OPS, m) {

@@ -57,7 +57,9 @@ struct DecoderLayer {
   LayerWeights w;
   const float *cos, *sin;
   CacheRows k_cache, v_cache;
+  RecentRows recent;            // the layer's recent rows (tokens 0: none)
   const int64_t* slot;
+  const int64_t* recent_slot;  // per new token its slot among the recent rows
   int64_t T, nd, H, Hq, Hkv, D, nq, nkv, nqkv, I, act;
   double eps;
   float off;
@@ -69,7 +71,7 @@ struct DecoderLayer {
   DecoderLayer(const LayerInputs& in, const LayerConstants& c, int64_t T_, int64_t H_,
                const LayerScratch& sc, int64_t threads)
       : w(in.weights), cos(in.cos), sin(in.sin), k_cache(in.cache.k), v_cache(in.cache.v),
-        slot(in.meta.slots), T(T_), nd(in.meta.num_decodes), H(H_), Hq(c.num_heads),
+        recent(in.cache.recent), slot(in.meta.slots), recent_slot(in.meta.recent_slots), T(T_), nd(in.meta.num_decodes), H(H_), Hq(c.num_heads),
         Hkv(k_cache.heads), D(k_cache.dim), nq(Hq * D), nkv(Hkv * D), nqkv(nq + 2 * nkv),
         I(w.down.K), act(c.act), eps(c.eps), off(c.norm_offset), fresh(new_rows(sc)),
         paged(in.cache, {sc.qkv, nqkv, Hq, c.scale, sc.attn}, in.meta.seq_lens, nd, threads,
@@ -84,17 +86,32 @@ struct DecoderLayer {
                 "the layer's weights do not have the shapes of its heads and hidden size");
     for (int64_t r = 0; r < T; ++r)
       TORCH_CHECK(slot[r] < k_cache.slots(), "slot ", slot[r], " is outside the cache");
+    if (recent.tokens == 0) return;
+    TORCH_CHECK(k_cache.format != KvFormat::F32, "recent rows go beside a quantized cache");
+    TORCH_CHECK(recent_slot != nullptr && recent.v.dim == D && recent.k.heads == Hkv &&
+                    recent.k.s2 == recent.k.row_bytes() && recent.v.s2 == recent.v.row_bytes(),
+                "the recent rows must be dense [heads, head_dim] rows with a slot per token");
+    for (int64_t r = 0; r < T; ++r)
+      TORCH_CHECK(recent_slot[r] < recent.k.slots(), "recent slot ", recent_slot[r],
+                  " is outside the cache");
   }
 
   // Where prefill attention reads the new keys and values: a float32 cache's are the q|k|v
-  // rows themselves, a quantized cache's are written to sc.fresh as the cache will hold them.
+  // rows themselves, a quantized cache's are written to sc.fresh as the cache will hold them,
+  // and after them, with recent rows, as those hold them.
   NewRows new_rows(const LayerScratch& sc) const {
     if (k_cache.format == KvFormat::F32) {
       auto* k = reinterpret_cast<uint8_t*>(sc.qkv + nq);
       return {k, k + 4 * nkv, 4 * nqkv, 4 * D, 4 * nqkv, 4 * D};
     }
     const int64_t Rk = k_cache.row_bytes(), Rv = v_cache.row_bytes();
-    return {sc.fresh, sc.fresh + T * Hkv * Rk, Hkv * Rk, Rk, Hkv * Rv, Rv};
+    NewRows rows{sc.fresh, sc.fresh + T * Hkv * Rk, Hkv * Rk, Rk, Hkv * Rv, Rv};
+    if (recent.tokens > 0) {
+      const int64_t R = recent.k.row_bytes();
+      rows.rk = rows.v + T * Hkv * Rv, rows.rv = rows.rk + T * Hkv * R;
+      rows.r_row = Hkv * R, rows.r_head = R;
+    }
+    return rows;
   }
 
   // This thread's part of y [T, H] = the layer of x [T, H]; ends with a barrier.
@@ -176,12 +193,22 @@ struct DecoderLayer {
         const float* o = w.k_offset + (head - Hq) * D;
         for (int64_t d = 0; d < D; ++d) row[d] -= o[d];
       }
-      if (r < nd && slot[r] >= 0) {
-        store_kv(r, head - Hq, row);
-      } else if (r >= nd && k_cache.format != KvFormat::F32) {
-        const int64_t h = head - Hq;
+      const int64_t h = head - Hq;
+      if (r < nd) {
+        if (slot[r] >= 0) store_kv(r, h, row);
+        if (recent.tokens > 0 && recent_slot[r] >= 0) {
+          store_row(recent.k.format, row, D, recent.k.slot(recent_slot[r]) + h * recent.k.s2);
+          store_row(recent.v.format, row + nkv, D,
+                    recent.v.slot(recent_slot[r]) + h * recent.v.s2);
+        }
+      } else if (k_cache.format != KvFormat::F32) {
         store_row(k_cache.format, row, D, fresh.k + r * fresh.k_row + h * fresh.k_head);
         store_row(v_cache.format, row + nkv, D, fresh.v + r * fresh.v_row + h * fresh.v_head);
+        if (recent.tokens > 0) {
+          const int64_t at = r * fresh.r_row + h * fresh.r_head;
+          store_row(recent.k.format, row, D, fresh.rk + at);
+          store_row(recent.v.format, row + nkv, D, fresh.rv + at);
+        }
       }
     }
   }
@@ -211,6 +238,11 @@ struct DecoderLayer {
     const int64_t Rk = k_cache.row_bytes(), Rv = v_cache.row_bytes();
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r = nd + i / Hkv, head = i % Hkv;
+      if (recent.tokens > 0 && recent_slot[r] >= 0) {
+        const int64_t at = r * fresh.r_row + head * fresh.r_head, R = recent.k.row_bytes();
+        std::memcpy(recent.k.slot(recent_slot[r]) + head * recent.k.s2, fresh.rk + at, R);
+        std::memcpy(recent.v.slot(recent_slot[r]) + head * recent.v.s2, fresh.rv + at, R);
+      }
       if (slot[r] < 0) continue;
       std::memcpy(k_cache.slot(slot[r]) + head * k_cache.s2,
                   fresh.k + r * fresh.k_row + head * fresh.k_head, Rk);
@@ -256,7 +288,9 @@ void decoder_layers(const float* x, int64_t T, int64_t H, const std::vector<Laye
   int64_t fresh_bytes = 0;
   for (const LayerInputs& in : inputs)
     if (in.cache.k.format != KvFormat::F32) {
-      const int64_t row = in.cache.k.row_bytes() + in.cache.v.row_bytes();
+      const RecentRows& r = in.cache.recent;
+      const int64_t row = in.cache.k.row_bytes() + in.cache.v.row_bytes() +
+                          (r.tokens > 0 ? r.k.row_bytes() + r.v.row_bytes() : 0);
       fresh_bytes = std::max(fresh_bytes, T * in.cache.k.heads * row);
     }
   const LayerScratch scratch(T, H, nqkv, nq, I, fresh_bytes);

@@ -135,9 +135,10 @@ class Args {
 struct LayerLists {
   std::vector<at::Tensor> cos, sin, k_caches, v_caches, slots, block_tables, seq_lens,
       prefix_lens, cu_seqlens_q;
-  std::vector<int64_t> num_decodes, windows, formats;
+  std::vector<int64_t> num_decodes, windows, formats, recents;
   std::vector<std::string> weight_names;
-  c10::List<std::optional<at::Tensor>> weights, scores, score_from;
+  c10::List<std::optional<at::Tensor>> weights, scores, score_from, recent_k, recent_v,
+      recent_slots, recent_tables;
   size_t L;
 
   explicit LayerLists(const Args& a)
@@ -150,19 +151,26 @@ struct LayerLists {
         formats(a["weight_formats"].toIntVector()),
         weights(a["weights"].toOptionalTensorList()),
         scores(a["scores"].toOptionalTensorList()),
-        score_from(a["score_from"].toOptionalTensorList()), L(k_caches.size()) {
+        score_from(a["score_from"].toOptionalTensorList()),
+        recent_k(a["recent_k"].toOptionalTensorList()),
+        recent_v(a["recent_v"].toOptionalTensorList()),
+        recent_slots(a["recent_slots"].toOptionalTensorList()),
+        recent_tables(a["recent_tables"].toOptionalTensorList()),
+        recents(a["recents"].toIntVector()), L(k_caches.size()) {
     for (const c10::IValue& name : a["weight_names"].toListRef())
       weight_names.push_back(name.toStringRef());
     const size_t sizes[] = {cos.size(),          sin.size(),         v_caches.size(),
                             slots.size(),        block_tables.size(), seq_lens.size(),
                             prefix_lens.size(),  cu_seqlens_q.size(), num_decodes.size(),
-                            windows.size(),      scores.size(),       score_from.size()};
+                            windows.size(),      scores.size(),       score_from.size(),
+                            recent_k.size(),     recent_v.size(),     recent_slots.size(),
+                            recent_tables.size(), recents.size()};
     const auto one_per_layer = [&](size_t n) { return n == L; };
     TORCH_CHECK(L > 0 && weights.size() == L * weight_names.size() &&
                     formats.size() == weights.size() &&
                     std::all_of(std::begin(sizes), std::end(sizes), one_per_layer),
-                "one cos, sin, cache pair, attention metadata, set of named weights and scores "
-                "per layer");
+                "one cos, sin, cache pair, attention metadata, set of named weights, scores "
+                "and recent rows per layer");
   }
 };
 
@@ -202,11 +210,23 @@ LayerInputs layer_inputs(const LayerLists& lists, size_t l, int64_t T, int64_t H
               "cos/sin must be [T, head_dim]");
   NamedWeights named(lists.weight_names, lists.weights, lists.formats,
                      l * lists.weight_names.size());
-  const CacheView view = view_of(k_cache, v_cache, lists.block_tables[l], lists.windows[l]);
+  CacheView view = view_of(k_cache, v_cache, lists.block_tables[l], lists.windows[l]);
+  const int64_t B = lists.seq_lens[l].numel();
+  view.recent = recent_of(lists.recent_k.get(l), lists.recent_v.get(l),
+                          lists.recent_tables.get(l), lists.recents[l], view, B);
+  AttentionMeta meta = attention_meta(lists, l, T, slots);
+  if (view.recent.tokens > 0) {
+    const std::optional<at::Tensor> rs = lists.recent_slots.get(l);
+    TORCH_CHECK(rs.has_value(), "recent rows need their slots");
+    const at::Tensor recent_slots = rs->to(at::kLong).contiguous();
+    TORCH_CHECK(recent_slots.numel() == T, "one recent slot per new token");
+    kept.push_back(recent_slots);
+    meta.recent_slots = recent_slots.data_ptr<int64_t>();
+  }
   const ScoreSink sink = sink_of(lists.scores.get(l), lists.score_from.get(l), view.k,
                                  lists.seq_lens[l].numel(), lists.windows[l]);
-  return {layer_weights(std::move(named), H, D, k_cache.size(2)), c.data_ptr<float>(), s.data_ptr<float>(),
-          view, attention_meta(lists, l, T, slots), sink};
+  return {layer_weights(std::move(named), H, D, k_cache.size(2)), c.data_ptr<float>(),
+          s.data_ptr<float>(), view, meta, sink};
 }
 
 }  // namespace

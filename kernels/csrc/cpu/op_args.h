@@ -70,6 +70,28 @@ inline CacheView view_of(const at::Tensor& k_cache, const at::Tensor& v_cache,
           block_tables.size(1), window};
 }
 
+// A layer's recent rows (RecentRows): rk, rv [blocks, bs, heads, row] in one float format,
+// read through tables [sequences, W] as rings of their last `tokens` positions; none when
+// tokens is 0 (the tensors then unread).
+inline RecentRows recent_of(const std::optional<at::Tensor>& rk, const std::optional<at::Tensor>& rv,
+                            const std::optional<at::Tensor>& tables, int64_t tokens,
+                            const CacheView& main, int64_t B) {
+  if (tokens == 0) return {};
+  TORCH_CHECK(tokens > 0 && rk.has_value() && rv.has_value() && tables.has_value(),
+              "recent rows need their key and value caches and block tables");
+  const CacheRows k = rows_of(*rk), v = rows_of(*rv);
+  TORCH_CHECK(!stored_rotated(k.format) && k.format == v.format,
+              "recent rows are keys and values in one float format");
+  TORCH_CHECK(k.heads == main.k.heads && v.heads == main.v.heads && k.dim == main.k.dim &&
+                  v.dim == main.v.dim && k.bs == main.k.bs && v.bs == k.bs,
+              "recent rows must have the main cache's heads, head sizes and block size");
+  TORCH_CHECK(tables->scalar_type() == at::kInt && tables->is_contiguous() &&
+                  tables->dim() == 2 && tables->size(0) == B,
+              "the recent rows' block tables must be contiguous int32, one row per sequence");
+  TORCH_CHECK(tables->size(1) * k.bs >= tokens, "the recent rows' ring is shorter than its tokens");
+  return {k, v, tables->data_ptr<int32_t>(), tables->size(1), tokens};
+}
+
 // The importance scores beside a cache of rows k: float32 [blocks, bs, heads], contiguous,
 // and score_from int32 [B]; none without scores (kernels.reference).
 inline ScoreSink sink_of(const std::optional<at::Tensor>& scores,
