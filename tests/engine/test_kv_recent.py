@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from bench import kv_schemes
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.capacity import make_plan
 from models.kv_spec import kv_pair
+from tests.engine import test_kv_dtypes
+from tests.engine.test_kv_dtypes import assert_pool_whole, greedy, tokens
 from tests.helpers import generate_with_logits, random_prompt, save_tiny_gemma3, save_tiny_llama
 
 pytest.importorskip("transformers")
@@ -32,22 +34,7 @@ def models(tmp_path_factory):
 
 
 def make(path, kv: str, recent: int = RECENT, **kw) -> LLM:
-    args = dict(max_model_len=128, num_kv_blocks=64, block_size=8, device="cpu", dtype="float32")
-    return LLM(str(path), kv_cache_dtype=kv, kv_cache_recent_tokens=recent, **{**args, **kw})
-
-
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
-
-
-def tokens(outs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def assert_pool_whole(llm: LLM) -> None:
-    kv = llm.engine.kv
-    assert kv.num_free_blocks == kv.num_total_blocks
-    assert kv.num_free_host_blocks == kv.num_total_host_blocks
+    return test_kv_dtypes.make(path, kv, kv_cache_recent_tokens=recent, **kw)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
