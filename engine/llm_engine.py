@@ -196,6 +196,8 @@ class LLMEngine:
         tier = args.kv_host_cache_gib > 0
         if tier and not args.enable_prefix_caching:
             raise ValueError("--kv-host-cache-gib keeps prefix blocks: it needs prefix caching")
+        if tier and any(g.recent for g in groups):
+            raise ValueError("--kv-host-cache-gib does not go with --kv-cache-recent-tokens yet")
         if tier and any(g.spec.window for g in groups):
             raise ValueError(
                 "--kv-host-cache-gib: models with sliding-window layers (Gemma 3) are not "
