@@ -150,6 +150,7 @@ def test_the_recent_tokens_are_a_group_of_their_own_in_the_plan(models):
         (dict(kv="int8", context_overflow="snapkv"), "importance scores"),
         (dict(kv="int8", recent=-1), "kv_cache_recent_tokens"),
         (dict(kv="int8", kv_host_cache_gib=0.01), "host-cache"),
+        (dict(kv="int8", attention_backend="triton"), "torch and cpu"),
     ],
 )
 def test_what_the_window_refuses(models, kw, match):
