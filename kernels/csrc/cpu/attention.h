@@ -203,6 +203,8 @@ struct PrefillAttention {
   int64_t lowest(int64_t pos) const;
   int64_t keys(int64_t i) const;           // block of rows i: the keys its last row reads
   int64_t first_counted(int64_t i) const;  // block of rows i: its first row that counts
+  void rows_of_unit(int64_t b, int64_t h, int64_t lo, int64_t hi, int64_t first,
+                    AttentionScratch& s) const;
   template <KvFormat FK, KvFormat FV>
   void unit_in(int64_t u, AttentionScratch& s) const;
 };

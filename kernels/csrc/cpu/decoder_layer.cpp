@@ -71,7 +71,8 @@ struct DecoderLayer {
   DecoderLayer(const LayerInputs& in, const LayerConstants& c, int64_t T_, int64_t H_,
                const LayerScratch& sc, int64_t threads)
       : w(in.weights), cos(in.cos), sin(in.sin), k_cache(in.cache.k), v_cache(in.cache.v),
-        recent(in.cache.recent), slot(in.meta.slots), recent_slot(in.meta.recent_slots), T(T_), nd(in.meta.num_decodes), H(H_), Hq(c.num_heads),
+        recent(in.cache.recent), slot(in.meta.slots), recent_slot(in.meta.recent_slots), T(T_),
+        nd(in.meta.num_decodes), H(H_), Hq(c.num_heads),
         Hkv(k_cache.heads), D(k_cache.dim), nq(Hq * D), nkv(Hkv * D), nqkv(nq + 2 * nkv),
         I(w.down.K), act(c.act), eps(c.eps), off(c.norm_offset), fresh(new_rows(sc)),
         paged(in.cache, {sc.qkv, nqkv, Hq, c.scale, sc.attn}, in.meta.seq_lens, nd, threads,

@@ -73,7 +73,8 @@ inline CacheView view_of(const at::Tensor& k_cache, const at::Tensor& v_cache,
 // A layer's recent rows (RecentRows): rk, rv [blocks, bs, heads, row] in one float format,
 // read through tables [sequences, W] as rings of their last `tokens` positions; none when
 // tokens is 0 (the tensors then unread).
-inline RecentRows recent_of(const std::optional<at::Tensor>& rk, const std::optional<at::Tensor>& rv,
+inline RecentRows recent_of(const std::optional<at::Tensor>& rk,
+                            const std::optional<at::Tensor>& rv,
                             const std::optional<at::Tensor>& tables, int64_t tokens,
                             const CacheView& main, int64_t B) {
   if (tokens == 0) return {};
@@ -88,7 +89,8 @@ inline RecentRows recent_of(const std::optional<at::Tensor>& rk, const std::opti
   TORCH_CHECK(tables->scalar_type() == at::kInt && tables->is_contiguous() &&
                   tables->dim() == 2 && tables->size(0) == B,
               "the recent rows' block tables must be contiguous int32, one row per sequence");
-  TORCH_CHECK(tables->size(1) * k.bs >= tokens, "the recent rows' ring is shorter than its tokens");
+  TORCH_CHECK(tables->size(1) * k.bs >= tokens,
+              "the recent rows' ring is shorter than its tokens");
   return {k, v, tables->data_ptr<int32_t>(), tables->size(1), tokens};
 }
 
