@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     text_out = report(args, costs, peer, capacity, decode, pool)
     print(text_out)
     if args.out:
-        Path(args.out).with_suffix(".md").write_text(text_out)
+        Path(f"{args.out}.md").write_text(text_out)  # a prefix: "-0.5b" is no suffix
     return 0
 
 

@@ -277,10 +277,9 @@ class AttentionBackend(ABC):
         nd = meta.num_decodes
         outs = []
         if q.shape[0] > nd:
-            p, rp = meta.prefills, recent_meta.prefills
-            outs.append(reference.recent_prefill_attention(
-                q[nd:], k[nd:], v[nd:], *kv_cache, p.block_tables, p.cu_seqlens_q,
-                p.prefix_lens, *recent_cache, rp.block_tables, rp.window, scale, p.window,
+            outs.append(self.recent_prefill(
+                q[nd:], k[nd:], v[nd:], kv_cache, meta.prefills, recent_cache,
+                recent_meta.prefills, scale,
             ))  # fmt: skip
         self.write_kv(k, v, kv_cache, meta.slot_mapping)
         self.write_kv(k, v, recent_cache, recent_meta.slot_mapping)
@@ -290,6 +289,15 @@ class AttentionBackend(ABC):
             ))  # fmt: skip
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.to(q.dtype)
+
+    def recent_prefill(
+        self, q, k, v, kv_cache: KVCache, meta, recent_cache: KVCache, recent_meta, scale
+    ):
+        """``prefill`` of a layer with recent rows (``_attend_recent``), before its writes."""
+        return reference.recent_prefill_attention(
+            q, k, v, *kv_cache, meta.block_tables, meta.cu_seqlens_q, meta.prefix_lens,
+            *recent_cache, recent_meta.block_tables, recent_meta.window, scale, meta.window,
+        )  # fmt: skip
 
     def recent_decode(self, q, kv_cache: KVCache, meta, recent_cache: KVCache, recent_meta, scale):
         """``decode`` of a layer with recent rows (``_attend_recent``), its rows written."""
@@ -735,6 +743,19 @@ class TritonBackend(AttentionBackend):
         )  # fmt: skip
         self._launch(launches)
         return attention.rotated_output(out, v_cache, q.dtype)
+
+    def recent_prefill(self, q, k, v, kv_cache, meta, recent_cache, recent_meta, scale):
+        return self._attention.recent_prefill(
+            self._launch, q, k, v, kv_cache, meta.block_tables, meta.cu_seqlens_q,
+            meta.prefix_lens, recent_cache, recent_meta.block_tables, recent_meta.window, scale,
+            meta.window,
+        )  # fmt: skip
+
+    def recent_decode(self, q, kv_cache, meta, recent_cache, recent_meta, scale):
+        return self._attention.recent_decode(
+            self._launch, q, kv_cache, meta.block_tables, meta.seq_lens, recent_cache,
+            recent_meta.block_tables, recent_meta.window, scale, meta.window, self._sms,
+        )  # fmt: skip
 
     def rotate_keys(self, cache, blocks, delta, layout):
         if self._kv_quant.is_quantized(cache):  # the rotary kernel moves float values only

@@ -59,8 +59,10 @@ class DecodeGraphs:
         max_model_len: int,
         max_num_seqs: int,
         device: torch.device,
+        recent_layers: int = 0,  # ``ForwardContext.recent_layers``
     ):
         self.model, self.backend, self.groups = model, backend, groups
+        self.recent_layers = recent_layers
         self.kv_caches, self.layer_to_group = kv_caches, layer_to_group
         self.sizes = batch_sizes(max_num_seqs)
         batch = self.sizes[-1]
@@ -90,7 +92,10 @@ class DecodeGraphs:
             )
             for group, buf in zip(self.groups, self.buffers)
         ]
-        return ForwardContext.planned(self.backend, metas, self.kv_caches, self.layer_to_group)
+        return ForwardContext.planned(
+            self.backend, metas, self.kv_caches, self.layer_to_group,
+            recent_layers=self.recent_layers,
+        )  # fmt: skip
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -88,10 +88,6 @@ class ModelRunner:
                 layer_to_group[layer] = gi
         self.layer_to_group = tuple(layer_to_group)
         self.recent_layers = model_config.num_layers if size > model_config.num_layers else 0
-        if self.recent_layers and self.backend.name == "triton":
-            raise ValueError(
-                "--kv-cache-recent-tokens runs on the torch and cpu attention backends"
-            )
         self.sampler = Sampler(config.seed, config.eos_token_ids, self.device, grammars)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the swap pool
@@ -131,6 +127,7 @@ class ModelRunner:
         self.graphs = DecodeGraphs(
             self.model, self.backend, self.groups, self.kv_caches, self.layer_to_group,
             self.cache_config.block_size, max_model_len, max_num_seqs, self.device,
+            self.recent_layers,
         )  # fmt: skip
         self.graphs.capture()
 

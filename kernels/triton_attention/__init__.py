@@ -90,6 +90,7 @@ from kernels.triton_attention.plans import (
     launch_plan,
     prefill_tile,
 )
+from kernels.triton_attention.recent import recent_decode, recent_prefill
 
 __all__ = [
     "LaunchPlan",
@@ -111,6 +112,8 @@ __all__ = [
     "prefill_launches",
     "prefill_tile",
     "read_back_launches",
+    "recent_decode",
+    "recent_prefill",
     "rotated_output",
     "rotated_query",
     "write_cache",

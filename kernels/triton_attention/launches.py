@@ -131,11 +131,13 @@ def decode_launches(
     sms: int | None = None,
     scores: torch.Tensor | None = None,
     score_from: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output of ``decode_attention`` (not yet written) and the launches that fill it,
     and with ``scores`` the one that adds to them (``_decode_scores_launch``). Over a rotated
     format (``kv_quant.rotated``), q is rotated (``rotated_query``) and the output is too, in
-    float32 (``rotated_output``)."""
+    float32 (``rotated_output``). ``lse``: float32 [B, Hq] that gets each row's log2-sum-exp2
+    of its scores (-inf without keys), in one split."""
     batch, num_heads, dk = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     dv = kv_quant.value_dim(v_cache)
@@ -143,6 +145,7 @@ def decode_launches(
     if batch == 0:
         return out, []
     block_tables = _rows_contiguous(block_tables)
+    num_splits = 1 if lse is not None else num_splits
     plan = launch_plan(q, k_cache, v_cache, block_tables, window, num_splits, tile, sms)
     num_splits, tile = plan.num_splits, plan.tile
     # Partial results are fp32 even when unused (one split), so the pointer types, and with
@@ -151,7 +154,8 @@ def decode_launches(
     lse_parts = batch * num_heads * num_splits
     parts = lse_parts if num_splits > 1 else 0
     part_out = torch.empty(parts, dv, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(lse_parts, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(lse_parts, dtype=torch.float32, device=q.device) if lse is None else (
+        lse.view(-1))  # fmt: skip
     dims = _dims(dk, dv)
     grid = (batch, num_kv_heads * plan.head_tiles, num_splits)
     k_view, v_view = _kernel_view(k_cache), _kernel_view(v_cache)
@@ -251,11 +255,15 @@ def prefill_launches(
     tile: Tile | None = None,
     scores: torch.Tensor | None = None,
     score_from: torch.Tensor | None = None,
+    shift: int = 0,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output of ``prefill_attention`` (not yet written) and the launches that fill it:
     those that quantize the chunk's keys and values as the cache would (``read_back_launches``),
     then the attention, and with ``scores`` the launch that adds to them. Over a rotated
-    format, q is rotated and the output is too, as in ``decode_launches``."""
+    format, q is rotated and the output is too, as in ``decode_launches``. ``shift``: each row
+    reads keys at least that many positions before its own only (``window`` counted from
+    there); ``lse``: float32 [T, Hq] that gets each row's log2-sum-exp2 (as decode's)."""
     block_tables = _rows_contiguous(block_tables)
     num_tokens, num_heads, dk = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -274,7 +282,8 @@ def prefill_launches(
     head_tiles = triton.cdiv(group, block_g)
     grid = (num_tokens // block_q + batch, num_kv_heads * head_tiles)
     views = [_kernel_view(t) for t in (k, v, k_cache, v_cache)]
-    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    if lse is None:
+        lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
     args = (
         q, *views, block_tables, cu_seqlens_q, prefix_lens, out, lse,
         scale * _LOG2E, window, block_tables.shape[1], batch, num_heads,
@@ -289,6 +298,8 @@ def prefill_launches(
         **dims, **_precision(dtype), **_format_params(k_cache, v_cache, k, v),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
+    if shift:
+        params["SHIFT"] = shift
     launches.append(Launch(_prefill_kernel, grid, args, params))
     if scores is not None:
         # The same grid and tile, over the keys only, at most 32 a step (64 of int4, unpacked

@@ -95,7 +95,11 @@ def _prefill_kernel(
     KV: tl.constexpr,
     KV_V: tl.constexpr,
     ALIGN: tl.constexpr,
+    SHIFT: tl.constexpr = 0,
 ):
+    # SHIFT: each row reads only keys at least SHIFT positions before its own (and ``window``
+    # counts from there): the older keys of a layer whose last SHIFT tokens are read from
+    # recent rows (``recent_prefill_launches``).
     seq, q_start, n, q0 = _query_tile(cu_ptr, num_seqs, BLOCK_Q, BLOCK_SEQS)
     tile_ok = q0 < n
     prefix = tl.load(prefix_ptr + seq)
@@ -127,16 +131,18 @@ def _prefill_kernel(
 
     lo = 0
     if WINDOWED:
-        lo = tl.maximum(prefix + q0 - window + 1, 0)
+        lo = tl.maximum(prefix + q0 - SHIFT - window + 1, 0)
     hi = tl.where(tile_ok, prefix, lo)
-    # Every cached position precedes every row: the window is the only per-row mask.
+    # Every cached position precedes every row: the window is the only per-row mask (and, with
+    # a shift, the causal one).
     acc, m_i, l_i = _attend(
-        acc, m_i, l_i, q1, q2, prefix + q_idx, k_cache_ptr + k_head, v_cache_ptr + v_head,
+        acc, m_i, l_i, q1, q2, prefix + q_idx - SHIFT, k_cache_ptr + k_head,
+        v_cache_ptr + v_head,
         table_ptr + seq.to(tl.int64) * stride_tb, ring_len,
         lo, hi, window, qk_scale, stride_kcn, stride_kcb, stride_kcd, stride_vcn, stride_vcb,
         stride_vcd,
-        PAGED=True, TILE_IN_BLOCK=False, SHARED_V=SHARED_V, BS=BS, RING=WINDOWED, CAUSAL=False,
-        WINDOWED=WINDOWED,
+        PAGED=True, TILE_IN_BLOCK=False, SHARED_V=SHARED_V, BS=BS, RING=WINDOWED,
+        CAUSAL=SHIFT > 0, WINDOWED=WINDOWED,
         D1=D1, D2=D2, DV=DV, BLOCK_N=BLOCK_N, BLOCK_D1=BLOCK_D1, BLOCK_D2=BLOCK_D2,
         BLOCK_DV=BLOCK_DV, PRECISION=PRECISION, UPCAST=UPCAST, KV=KV, KV_V=KV_V,
         ALIGN=ALIGN,
@@ -145,7 +151,7 @@ def _prefill_kernel(
     # The chunk's own keys come from k/v (not yet in the cache), causally, by row index.
     j_lo = 0
     if WINDOWED:
-        j_lo = tl.maximum(q0 - window + 1, 0)
+        j_lo = tl.maximum(q0 - SHIFT - window + 1, 0)
     j_hi = tl.where(tile_ok, tl.minimum(n, q0 + BLOCK_Q), j_lo)
     first = q_start.to(tl.int64)
     k_new = first * stride_kt + kv_head * stride_kh
@@ -154,7 +160,7 @@ def _prefill_kernel(
         k_new = tl.multiple_of(k_new, ALIGN)
         v_new = tl.multiple_of(v_new, ALIGN)
     acc, m_i, l_i = _attend(
-        acc, m_i, l_i, q1, q2, q_idx, k_ptr + k_new, v_ptr + v_new, table_ptr, ring_len,
+        acc, m_i, l_i, q1, q2, q_idx - SHIFT, k_ptr + k_new, v_ptr + v_new, table_ptr, ring_len,
         j_lo, j_hi, window, qk_scale, stride_kt, 0, stride_kd, stride_vt, 0, stride_vd,
         PAGED=False, TILE_IN_BLOCK=False, SHARED_V=SHARED_V_NEW, BS=BS, RING=False, CAUSAL=True,
         WINDOWED=WINDOWED,

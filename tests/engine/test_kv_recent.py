@@ -37,8 +37,10 @@ def make(path, kv: str, recent: int = RECENT, **kw) -> LLM:
     return test_kv_dtypes.make(path, kv, kv_cache_recent_tokens=recent, **kw)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
-@pytest.mark.parametrize("kv", ["int4", "int8/int4"])
+@pytest.mark.parametrize(
+    "backend,kv",
+    [("cpu", "int4"), ("cpu", "int8/int4"), ("torch", "int4"), ("triton", "int8/int4")],
+)
 def test_logits_are_transformers_reading_older_tokens_quantized_and_recent_ones_not(
     models, kv, backend, monkeypatch
 ):
@@ -150,7 +152,6 @@ def test_the_recent_tokens_are_a_group_of_their_own_in_the_plan(models):
         (dict(kv="int8", context_overflow="snapkv"), "importance scores"),
         (dict(kv="int8", recent=-1), "kv_cache_recent_tokens"),
         (dict(kv="int8", kv_host_cache_gib=0.01), "host-cache"),
-        (dict(kv="int8", attention_backend="triton"), "torch and cpu"),
     ],
 )
 def test_what_the_window_refuses(models, kw, match):

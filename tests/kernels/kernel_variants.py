@@ -75,8 +75,10 @@ KV_DTYPES = ("int8", "fp8_e4m3", "int4")
 KV_MODEL_DTYPE = "bf16"
 KV_MODELS = ("SmolLM2-135M", "Llama-3-8B", "Gemma-3-270M", "DeepSeek-V3")
 # Keys and values in two quantized dtypes (an MLA cache has one): int8 keys beside int4 values
-# read by one kernel, at head sizes 128 and Gemma 3's 256 (with its window ring).
-KV_PAIRS = ("int8/int4",)
+# read by one kernel, at head sizes 128 and Gemma 3's 256 (with its window ring); and with the
+# last tokens kept beside them (``kernels.triton_attention.recent``: a shifted prefill, and
+# decodes in one split that keep their log-sum-exps).
+KV_PAIRS = ("int8/int4", "int8/int4+128")  # the second with 128 recent tokens in bf16
 KV_PAIR_MODELS = ("Llama-3-8B", "Gemma-3-270M")
 
 # The config.json fields of the published checkpoints that shape attention, the cache and the
@@ -294,26 +296,38 @@ def record_launches(
     name: str, dtype: torch.dtype, sms: int, kv: str = ""
 ) -> Iterator[tuple[int, object]]:
     """(KV-cache group, launch) of every step of the model, through the serving code path, its
-    caches in the KV dtype ``kv`` ("": the model's)."""
+    caches in the KV dtype ``kv`` ("": the model's; ``DTYPE+N``: with its last N tokens also
+    in recent rows of the model's dtype, ``models.kv_spec.with_recent``)."""
     from kernels.backend import TritonBackend
     from kernels.paged import ForwardContext
+    from models.kv_spec import SlidingWindowSpec
     from models.loader import model_class
 
     cfg = model_config(name)
+    kv, _, recent = kv.partition("+")
     groups = model_class(cfg).kv_cache_groups(cfg, kv or kv_name(dtype))
     launches: list = []
     backend = TritonBackend(run=launches.append, sms=sms)
     for g, group in enumerate(groups):
         spec = group.spec
+        ring = recent and SlidingWindowSpec(spec.num_kv_heads, spec.head_dim, kv_name(dtype),
+                                            window_size=int(recent))  # fmt: skip
         for step in steps(cfg.max_position_embeddings):
             # As the model runner builds tables: as wide as the longest sequence needs.
             width = spec.table_width(max(step.seq_lens), BLOCK_SIZE)
             caches, _ = _layer_tensors(spec, cfg.num_heads, step.num_tokens, dtype)
-            for scored in (False, True) if spec.window == 0 else (False,):
+            for scored in (False, True) if spec.window == 0 and not ring else (False,):
                 meta = _metadata(step, width, spec.window, scored)
                 planes = torch.empty(caches[0].shape[:3], dtype=torch.float32, device="meta")
                 scores = planes if scored else None
-                ctx = ForwardContext.planned(backend, [meta], [caches], (0,), [scores])
+                if ring:  # layer 1 holds layer 0's recent rows
+                    ring_width = ring.table_width(max(step.seq_lens), BLOCK_SIZE)
+                    metas = [meta, _metadata(step, ring_width, ring.window)]
+                    ring_caches, _ = _layer_tensors(ring, cfg.num_heads, step.num_tokens, dtype)
+                    ctx = ForwardContext.planned(backend, metas, [caches, ring_caches], (0, 1),
+                                                 recent_layers=1)  # fmt: skip
+                else:
+                    ctx = ForwardContext.planned(backend, [meta], [caches], (0,), [scores])
                 _attend(ctx, cfg, spec, step.num_tokens, dtype)
         for blocks in (1, 3, 17):  # a context shift re-rotates whole blocks
             ids = torch.empty(blocks, dtype=torch.int64, device="meta")

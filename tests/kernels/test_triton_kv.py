@@ -19,12 +19,12 @@ on a GPU, where torch's CUDA kernels quantize the reference, 1% of the bytes may
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
-from kernels import kv_quant, reference
+from kernels import kv_quant, launch, reference
 from kernels.backend import AttentionMetadata, TorchBackend, TritonBackend
 from kernels.paged import ForwardContext
 from kernels.rotary import RopeLayout
@@ -234,6 +234,79 @@ def test_prefill_reads_the_cache_format_and_its_own_rows_as_written(dtype, layou
 @pytest.mark.parametrize(("dtype", "layout"), BF16_MODEL)
 def test_prefill_bf16_model_over_a_quantized_cache(dtype, layout):
     _prefill(dtype, LAYOUTS[layout], torch.bfloat16)
+
+
+# Layers whose last tokens are also held by recent rows (float32 here, so that both passes are
+# checked to float32's tolerance; a ring of that window): the main cache read for older keys
+# only. With the ring layout's window of 24, 20 recent tokens
+# leave it 4 older ones; 30 leave it none.
+RECENT = [
+    pytest.param(torch.int8, "gqa", 20, id="int8-gqa-20"),
+    pytest.param(PAIR, "gqa", 20, id="int8+int4-gqa-20"),
+    pytest.param(torch.uint8, "ring", 20, id="int4-ring-20"),
+    pytest.param(torch.int8, "ring", 30, id="int8-ring-30"),
+]
+
+
+def _recent_caches(keep: list[tuple[int, int]], layout: Layout, dtype, recent: int):
+    """Main caches holding ``keep``, and recent rows holding each sequence's last ``recent``
+    positions of it (``reach``: one past its end)."""
+    reach = [hi + 1 for _, hi in keep]
+    main = _caches(keep, layout, dtype, reach=reach, seed=7)
+    rkeep = [(max(lo, hi - recent), hi) for lo, hi in keep]
+    ring = _caches(rkeep, replace(layout, window=recent), torch.float32, reach=reach, seed=8)
+    return main, ring
+
+
+@pytest.mark.parametrize(("dtype", "layout", "recent"), RECENT)
+def test_decode_reads_recent_rows_as_the_reference(dtype, layout, recent):
+    layout = LAYOUTS[layout]
+    window = layout.window
+    lens = [1, 15, 17, 70]
+    keep = [(max(0, n - window) if window else 0, n) for n in lens]
+    main, ring = _recent_caches(keep, layout, dtype, recent)
+    heads = layout.num_kv_heads * layout.group
+    q = torch.randn(len(lens), heads, layout.dk, generator=torch.Generator().manual_seed(9))
+    q = q.to(DEVICE, _model_dtype(dtype))
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    expected = reference.recent_decode_attention(
+        q, main.k_cache, main.v_cache, main.tables, seq_lens, ring.k_cache, ring.v_cache,
+        ring.tables, recent, layout.dk**-0.5, window,
+    )  # fmt: skip
+    actual = triton_attention.recent_decode(
+        launch.run, q, (main.k_cache, main.v_cache), main.tables, seq_lens,
+        (ring.k_cache, ring.v_cache), ring.tables, recent, layout.dk**-0.5, window,
+    )  # fmt: skip
+    _assert_close(actual, expected, _tolerance(q.dtype, dtype))
+
+
+@pytest.mark.parametrize(("dtype", "layout", "recent"), RECENT)
+def test_prefill_reads_recent_rows_as_the_reference(dtype, layout, recent):
+    layout = LAYOUTS[layout]
+    window = layout.window
+    chunks = [(0, 25), (17, 9), (40, 1), (3, 30)]
+    keep = [(max(0, p - window + 1) if window else 0, p) for p, _ in chunks]
+    main, ring = _recent_caches(keep, layout, dtype, recent)
+    gen = torch.Generator().manual_seed(10)
+    total, heads, model = (
+        sum(n for _, n in chunks),
+        layout.num_kv_heads * layout.group,
+        torch.float32,
+    )
+    q = torch.randn(total, heads, layout.dk, generator=gen).to(DEVICE, model)
+    k = torch.randn(total, layout.num_kv_heads, layout.dk, generator=gen).to(DEVICE, model)
+    v = torch.randn(total, layout.num_kv_heads, layout.dv, generator=gen).to(DEVICE, model)
+    cu = torch.tensor([0] + [n for _, n in chunks], device=DEVICE).cumsum(0).int()
+    prefix = torch.tensor([p for p, _ in chunks], dtype=torch.int32, device=DEVICE)
+    expected = reference.recent_prefill_attention(
+        q, k, v, main.k_cache, main.v_cache, main.tables, cu, prefix, ring.k_cache,
+        ring.v_cache, ring.tables, recent, layout.dk**-0.5, window,
+    )  # fmt: skip
+    actual = triton_attention.recent_prefill(
+        launch.run, q, k, v, (main.k_cache, main.v_cache), main.tables, cu, prefix,
+        (ring.k_cache, ring.v_cache), ring.tables, recent, layout.dk**-0.5, window,
+    )  # fmt: skip
+    _assert_close(actual, expected, _tolerance(model, dtype))
 
 
 def _assert_same_bytes(actual: torch.Tensor, expected: torch.Tensor) -> None:
