@@ -276,7 +276,7 @@ def prefill_launches(
     group = num_heads // num_kv_heads
     dims = _dims(dk, dv)
     dtype = _dot_dtype(q, k_cache)
-    tile = tile or prefill_tile(dtype, dk, dv, group, tile_kv(k_cache, v_cache))
+    tile = tile or prefill_tile(dtype, dk, dv, group, tile_kv(k_cache, v_cache), shift > 0)
     block_g = min(triton.next_power_of_2(group), tile.rows)
     block_q = tile.rows // block_g
     head_tiles = triton.cdiv(group, block_g)

@@ -113,7 +113,12 @@ def decode_tile(
 
 
 def prefill_tile(
-    dtype: torch.dtype, dk: int, dv: int, group: int = 1, kv: torch.dtype | None = None
+    dtype: torch.dtype,
+    dk: int,
+    dv: int,
+    group: int = 1,
+    kv: torch.dtype | None = None,
+    shifted: bool = False,
 ) -> Tile:
     """Default prefill tile, sized by the ahead-of-time compile of
     ``tests/kernels/test_kernel_variants.py`` for sm_90 and sm_80: within shared memory, no
@@ -131,7 +136,9 @@ def prefill_tile(
 
     Over a quantized cache (``kv``: the cache's dtype) MLA takes 16 rows, 32 keys a step (int4: 16):
     its tiles are converted in registers, and wider ones spill on sm_90. Other widths keep
-    their tiles."""
+    their tiles. A shifted prefill (``SHIFT``: older keys beside recent rows) masks its cached
+    prefix per row too: at head dim 256 its 32 rows spill 8 bytes under triton 3.6 on sm_90,
+    so it takes 16."""
     width = max(_pow2(dk), _pow2(dv))
     if dtype == torch.float32:
         if width == 256:
@@ -144,7 +151,7 @@ def prefill_tile(
     if width <= 128:
         return Tile(64, 32, 8, 3)
     if width == 256:
-        return Tile(32, 16, 8)
+        return Tile(16 if shifted else 32, 16, 8)
     if group >= 64:
         return Tile(64, 16, 8, 3)
     return Tile(32, 32, 8, 3)
