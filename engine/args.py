@@ -85,7 +85,7 @@ class EngineArgs:
         0,
         "the last N tokens of every sequence also kept in auto's dtype where the cache is "
         "quantized: attention reads a token's last N keys and values from there and only older "
-        "ones quantized (torch and cpu attention backends)",
+        "ones quantized",
     )
     device: str = setting("auto", "auto, cpu, cuda or cuda:N")
     block_size: int = setting(16, "tokens per KV block (a power of two)")
