@@ -4,7 +4,7 @@ speed.
 
     python -m bench.kv_cache [--model qwen2.5-coder-0.5b-instruct] [--tokens 2048]
         [--dtypes float32,float16,bfloat16,int8,fp8_e4m3,int4,int8/int4]
-        [--peer-types f16,q8_0,q4_0,q8_0/q4_0] [--skip-speed] [--out PREFIX]
+        [--peer-types f16,q8_0,q4_0,q8_0/q4_0] [--skip-speed | --skip-pool] [--out PREFIX]
 
 A dtype ``K/V`` stores keys in K and values in V, ``DTYPE+N`` keeps the last N tokens beside
 it (``--kv-cache-recent-tokens``); a peer type ``K/V`` runs ``-ctk K -ctv V``.
@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer-types", default=",".join(PEER_TYPES))
     p.add_argument("--speed-dtypes", default="float32,float16,int8,int4")
     p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--skip-pool", action="store_true", help="decode at 4k only, no small pool")
     p.add_argument("--out", default=None, help="results file prefix (.md)")
     args = p.parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]
@@ -213,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_speed:
         for kv in args.speed_dtypes.split(","):
             decode[kv] = decode_speed(base, ids, kv)
-            pool[kv] = small_pool(base, ids, kv)
+            print(f"{kv}: {decode[kv]:.1f} tok/s decoding at 4k", flush=True)
+            if not args.skip_pool:
+                pool[kv] = small_pool(base, ids, kv)
     text_out = report(args, costs, peer, capacity, decode, pool)
     print(text_out)
     if args.out:

@@ -297,7 +297,12 @@ class AttentionBackend(ABC):
         return reference.recent_prefill_attention(
             q, k, v, *kv_cache, meta.block_tables, meta.cu_seqlens_q, meta.prefix_lens,
             *recent_cache, recent_meta.block_tables, recent_meta.window, scale, meta.window,
+            self._prefill_attend(q),
         )  # fmt: skip
+
+    def _prefill_attend(self, q: torch.Tensor) -> Callable | None:
+        """What computes a prefill chunk's attention in the reference (None: its own)."""
+        return None
 
     def recent_decode(self, q, kv_cache: KVCache, meta, recent_cache: KVCache, recent_meta, scale):
         """``decode`` of a layer with recent rows (``_attend_recent``), its rows written."""
@@ -518,8 +523,10 @@ class CpuBackend(TorchBackend):
         return torch.float32 if self.model_kernels else dtype
 
     def prefill(self, q, k, v, kv_cache, meta, scale, scores=None):
-        attend = sdpa_attend if q.dtype == torch.float32 else None
-        return _reference_prefill(q, k, v, kv_cache, meta, scale, attend, scores)
+        return _reference_prefill(q, k, v, kv_cache, meta, scale, self._prefill_attend(q), scores)
+
+    def _prefill_attend(self, q):
+        return sdpa_attend if q.dtype == torch.float32 else None
 
     def write_cache(self, cache, rows, slots):
         if self._cpu.takes_cache(cache) and cache.stride(2) == cache.shape[3]:

@@ -359,11 +359,13 @@ def recent_prefill_attention(
     recent: int,
     scale: float,
     window: int = 0,
+    attend: Callable | None = None,
 ) -> torch.Tensor:
     """``prefill_attention`` of such a layer: the row at position t reads keys and values at
     t - recent < p <= t as the recent caches give them back, and those at p <= t - recent as
     k/v give them back (new ones read back in each cache's format, as a decode would read
-    them)."""
+    them). ``attend`` as ``prefill_attention``'s."""
+    attend = attend or _attend
     k_old, v_old = read_back(k, v, k_cache, v_cache)
     k_new, v_new = read_back(k, v, rk_cache, rv_cache)
     out = torch.empty(*q.shape[:2], v.shape[-1], dtype=q.dtype, device=q.device)
@@ -391,5 +393,5 @@ def recent_prefill_attention(
             mask_a &= pos_a > pos_q - window
             mask_b &= pos_b > pos_q - window
         keys, values = torch.cat([k_a, k_b]).to(k.dtype), torch.cat([v_a, v_b]).to(v.dtype)
-        out[lo:hi] = _attend(q[lo:hi], keys, values, scale, torch.cat([mask_a, mask_b], 1))
+        out[lo:hi] = attend(q[lo:hi], keys, values, scale, torch.cat([mask_a, mask_b], 1))
     return out
