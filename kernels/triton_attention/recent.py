@@ -47,6 +47,31 @@ def _older_window(window: int, recent: int) -> int | None:
     return window - recent if window else 0
 
 
+def _two_passes(
+    run: Run,
+    q: torch.Tensor,
+    v_cache: torch.Tensor,
+    window: int,
+    recent: int,
+    recent_pass: Callable,
+    older_pass: Callable,
+) -> torch.Tensor:
+    """``recent_pass(lse)`` and, where the main cache has older keys to give,
+    ``older_pass(its window, lse)``: each (output, launches) with its rows' log2-sum-exp2s
+    written to ``lse``; run, the older output rotated back, merged."""
+    lse_b = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    out_b, launches = recent_pass(lse_b)
+    run(launches)
+    older = _older_window(window, recent)
+    if older is None:
+        return out_b.to(q.dtype)
+    lse_a = torch.empty_like(lse_b)
+    out_a, launches = older_pass(older, lse_a)
+    run(launches)
+    out_a = rotated_output(out_a, v_cache, torch.float32)
+    return merge(out_a, lse_a, out_b, lse_b).to(q.dtype)
+
+
 def recent_decode(
     run: Run,
     q: torch.Tensor,
@@ -61,25 +86,19 @@ def recent_decode(
     sms: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (written to both caches) -> [B, Hq, Dv]."""
-    lse_b = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    out_b, launches = decode_launches(
-        q, *recent_cache, recent_tables, seq_lens, scale, _recent_window(window, recent),
-        sms=sms, lse=lse_b,
-    )  # fmt: skip
-    run(launches)
-    older = _older_window(window, recent)
-    if older is None:
-        return out_b.to(q.dtype)
     k_cache, v_cache = kv_cache
-    lse_a = torch.empty_like(lse_b)
-    lens = (seq_lens - recent).clamp(min=0).to(seq_lens.dtype)
-    out_a, launches = decode_launches(
-        rotated_query(q, k_cache), k_cache, v_cache, block_tables, lens, scale, older, sms=sms,
-        lse=lse_a,
+    lens = (seq_lens - recent).clamp(min=0).to(seq_lens.dtype)  # the older keys' sequences
+    return _two_passes(
+        run, q, v_cache, window, recent,
+        lambda lse: decode_launches(
+            q, *recent_cache, recent_tables, seq_lens, scale, _recent_window(window, recent),
+            sms=sms, lse=lse,
+        ),
+        lambda older, lse: decode_launches(
+            rotated_query(q, k_cache), k_cache, v_cache, block_tables, lens, scale, older,
+            sms=sms, lse=lse,
+        ),
     )  # fmt: skip
-    run(launches)
-    out_a = rotated_output(out_a, v_cache, torch.float32)
-    return merge(out_a, lse_a, out_b, lse_b).to(q.dtype)
 
 
 def recent_prefill(
@@ -98,21 +117,15 @@ def recent_prefill(
     window: int = 0,
 ) -> torch.Tensor:
     """Chunks of new tokens (not yet written) over both caches -> [T, Hq, Dv]."""
-    lse_b = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    out_b, launches = prefill_launches(
-        q, k, v, *recent_cache, recent_tables, cu_seqlens_q, prefix_lens, scale,
-        _recent_window(window, recent), lse=lse_b,
-    )  # fmt: skip
-    run(launches)
-    older = _older_window(window, recent)
-    if older is None:
-        return out_b.to(q.dtype)
     k_cache, v_cache = kv_cache
-    lse_a = torch.empty_like(lse_b)
-    out_a, launches = prefill_launches(
-        rotated_query(q, k_cache), k, v, k_cache, v_cache, block_tables, cu_seqlens_q,
-        prefix_lens, scale, older, shift=recent, lse=lse_a,
+    return _two_passes(
+        run, q, v_cache, window, recent,
+        lambda lse: prefill_launches(
+            q, k, v, *recent_cache, recent_tables, cu_seqlens_q, prefix_lens, scale,
+            _recent_window(window, recent), lse=lse,
+        ),
+        lambda older, lse: prefill_launches(
+            rotated_query(q, k_cache), k, v, k_cache, v_cache, block_tables, cu_seqlens_q,
+            prefix_lens, scale, older, shift=recent, lse=lse,
+        ),
     )  # fmt: skip
-    run(launches)
-    out_a = rotated_output(out_a, v_cache, torch.float32)
-    return merge(out_a, lse_a, out_b, lse_b).to(q.dtype)
