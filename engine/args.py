@@ -28,7 +28,7 @@ from kernels.backend import backend_names, default_backend
 from kernels.weights import QUANTIZABLE
 from models.config import ModelConfig
 from models.fetch import resolve_model
-from models.kv_spec import DTYPES, KV_DTYPES, is_kv_dtype, kv_pair
+from models.kv_spec import DTYPES, KV_DTYPES, kv_pair
 
 ENGINE = "engine"
 OVERFLOW = "overflow policies (a request may override the context one)"
@@ -266,8 +266,6 @@ class EngineArgs:
     )
 
     def __post_init__(self) -> None:
-        if "/" in self.kv_cache_dtype:
-            kv_pair(self.kv_cache_dtype)  # says what a pair may be
         checks = [
             (_power_of_two(self.block_size), "block_size"),
             (self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks"),
@@ -279,7 +277,11 @@ class EngineArgs:
             (self.tensor_parallel_size > 0, "tensor_parallel_size"),
             (self.max_num_batched_tokens > 0, "max_num_batched_tokens"),
             (self.dtype is None or self.dtype in DTYPES, "dtype"),
-            (self.kv_cache_dtype == "auto" or is_kv_dtype(self.kv_cache_dtype), "kv_cache_dtype"),
+            # A pair's halves are checked by kv_pair, which says what a pair may be.
+            (
+                self.kv_cache_dtype == "auto" or kv_pair(self.kv_cache_dtype)[0] in KV_DTYPES,
+                "kv_cache_dtype",
+            ),
             (
                 self.kv_cache_dtype_skip_layers in (None, "sliding_window"),
                 "kv_cache_dtype_skip_layers",

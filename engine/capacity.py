@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.core.config import GIB, CacheConfig, split_memory
-from engine.worker.config import auto_kv_dtype
+from engine.worker.config import auto_kv_dtype, cache_groups
 from engine.worker.disk_tier import disk_pool_sizes
 from models.config import ModelConfig
 from models.fetch import resolve_model
-from models.kv_spec import MLASpec, sliding_window_in, with_recent
+from models.kv_spec import MLASpec
 from models.loader import model_class, stored_weight_bytes
 from models.tensor_parallel import TPRank, shard_config
 
@@ -116,11 +116,8 @@ def make_plan(
     cfg = ModelConfig.from_dir(resolve_model(model))
     rank_cfg = shard_config(cfg, TPRank(0, tensor_parallel_size))
     kv_dtype = kv_cache_dtype or auto_kv_dtype(dtype)
-    groups = model_class(cfg).kv_cache_groups(rank_cfg, kv_dtype)
-    if kv_skip_sliding:
-        groups = sliding_window_in(groups, auto_kv_dtype(dtype))
-    if kv_recent_tokens:
-        groups = with_recent(groups, cfg.num_layers, kv_recent_tokens, auto_kv_dtype(dtype))
+    groups = cache_groups(model_class(cfg), rank_cfg, kv_dtype, dtype, kv_skip_sliding,
+                          kv_recent_tokens)  # fmt: skip
     max_len = max_model_len or cfg.max_position_embeddings
     memory = int(kv_cache_memory_gib * GIB)
     blocks = split_memory(groups, memory, block_size, max_len)

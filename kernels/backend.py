@@ -207,7 +207,7 @@ class AttentionBackend(ABC):
         if recent is not None:
             if rotary is not None:
                 q, k = self.rotate(q, k, rotary)
-            return self._attend_recent(q, k, v, kv_cache, meta, *recent, scale)
+            return self._attend(q, k, v, kv_cache, meta, scale, None, recent)
         if q.shape[0] == meta.num_decodes and rotary is not None:
             q = self.rotate_and_write(q, k, v, rotary, kv_cache, meta.slot_mapping)
             return self._decode(q, kv_cache, meta, scale, scores)
@@ -253,47 +253,38 @@ class AttentionBackend(ABC):
         """A step of decodes only, its rows already written."""
         return self.decode(q, kv_cache, meta.decodes, scale, scores).to(q.dtype)
 
-    def _attend(self, q, k, v, kv_cache: KVCache, meta: AttentionMetadata, scale, scores):
-        """Attention of a step's turned rows, which it writes to the cache."""
-        nd = meta.num_decodes
-        outs = []
-        if q.shape[0] > nd:
-            outs.append(
-                self.prefill(q[nd:], k[nd:], v[nd:], kv_cache, meta.prefills, scale, scores)
-            )
-        self.write_kv(k, v, kv_cache, meta.slot_mapping)
-        if nd:
-            outs.insert(0, self.decode(q[:nd], kv_cache, meta.decodes, scale, scores))
-        # A step of one kind returns its kernel's output as it is: no copy.
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return out.to(q.dtype)
-
-    def _attend_recent(
-        self, q, k, v, kv_cache: KVCache, meta, recent_cache: KVCache, recent_meta, scale
+    def _attend(
+        self, q, k, v, kv_cache: KVCache, meta: AttentionMetadata, scale, scores, recent=None
     ):
-        """``_attend`` of a layer whose recent tokens have a cache of their own: each query
-        reads its last ``recent_meta.window`` keys and values from there, older ones from
-        ``kv_cache`` (``reference.recent_prefill_attention``, ``recent_decode_attention``)."""
+        """Attention of a step's turned rows, which it writes to the cache. ``recent``: the
+        cache and metadata of the layer's recent rows (``Step.recent``), which it writes too:
+        each row reads its last ``window`` keys and values from there, older ones from
+        ``kv_cache`` (``recent_prefill``, ``recent_decode``; no scores)."""
         nd = meta.num_decodes
         outs = []
         if q.shape[0] > nd:
-            outs.append(self.recent_prefill(
-                q[nd:], k[nd:], v[nd:], kv_cache, meta.prefills, recent_cache,
-                recent_meta.prefills, scale,
-            ))  # fmt: skip
+            rows = (q[nd:], k[nd:], v[nd:], kv_cache, meta.prefills)
+            outs.append(
+                self.prefill(*rows, scale, scores) if recent is None
+                else self.recent_prefill(*rows, recent[0], recent[1].prefills, scale)
+            )  # fmt: skip
         self.write_kv(k, v, kv_cache, meta.slot_mapping)
-        self.write_kv(k, v, recent_cache, recent_meta.slot_mapping)
+        if recent is not None:
+            self.write_kv(k, v, recent[0], recent[1].slot_mapping)
         if nd:
-            outs.insert(0, self.recent_decode(
-                q[:nd], kv_cache, meta.decodes, recent_cache, recent_meta.decodes, scale
+            outs.insert(0, (
+                self.decode(q[:nd], kv_cache, meta.decodes, scale, scores) if recent is None
+                else self.recent_decode(q[:nd], kv_cache, meta.decodes, recent[0],
+                                        recent[1].decodes, scale)
             ))  # fmt: skip
+        # A step of one kind returns its kernel's output as it is: no copy.
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.to(q.dtype)
 
     def recent_prefill(
         self, q, k, v, kv_cache: KVCache, meta, recent_cache: KVCache, recent_meta, scale
     ):
-        """``prefill`` of a layer with recent rows (``_attend_recent``), before its writes."""
+        """``prefill`` of a layer with recent rows (``_attend``), before its writes."""
         return reference.recent_prefill_attention(
             q, k, v, *kv_cache, meta.block_tables, meta.cu_seqlens_q, meta.prefix_lens,
             *recent_cache, recent_meta.block_tables, recent_meta.window, scale, meta.window,
@@ -305,7 +296,7 @@ class AttentionBackend(ABC):
         return None
 
     def recent_decode(self, q, kv_cache: KVCache, meta, recent_cache: KVCache, recent_meta, scale):
-        """``decode`` of a layer with recent rows (``_attend_recent``), its rows written."""
+        """``decode`` of a layer with recent rows (``_attend``), its rows written."""
         return reference.recent_decode_attention(
             q, *kv_cache, meta.block_tables, meta.seq_lens, *recent_cache,
             recent_meta.block_tables, recent_meta.window, scale, meta.window,

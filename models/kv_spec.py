@@ -52,17 +52,6 @@ def kv_pair(dtype: str) -> tuple[str, str]:
     return key, value
 
 
-def is_kv_dtype(dtype: str) -> bool:
-    """Whether ``dtype`` names a cache: one of ``KV_DTYPES`` or a pair of quantized ones."""
-    if "/" not in dtype:
-        return dtype in KV_DTYPES
-    try:
-        kv_pair(dtype)
-    except ValueError:
-        return False
-    return True
-
-
 def keys_quantized(dtype: str) -> bool:
     """Whether the keys of a cache of ``dtype`` are stored quantized."""
     return kv_pair(dtype)[0] in QUANTIZED_KV

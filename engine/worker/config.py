@@ -24,7 +24,7 @@ class RunnerConfig:
     tensor_parallel_size: int = 1
     eos_token_ids: tuple[int, ...] = ()
     quantization: str | None = None  # a block format for a float checkpoint's linear layers
-    kv_cache_dtype: str = ""  # ``models.kv_spec.is_kv_dtype``; "": the model's dtype
+    kv_cache_dtype: str = ""  # a ``KV_DTYPES`` or a ``kv_pair``; "": the model's dtype
     kv_skip_sliding: bool = False  # sliding-window layers' caches in ``auto_kv_dtype(dtype)``
     kv_recent_tokens: int = 0  # the last ones of quantized groups also in auto's (``with_recent``)
     kv_scores: bool = False  # importance scores beside the cache (``KVCacheGroup.scored``)
@@ -37,13 +37,8 @@ class RunnerConfig:
     def kv_cache_groups(self, model: type[CausalLM], config: ModelConfig) -> list[KVCacheGroup]:
         """The model's cache groups in the dtypes these settings give them, and the groups of
         their recent tokens."""
-        groups = model.kv_cache_groups(config, self.kv_dtype)
-        if self.kv_skip_sliding:
-            groups = sliding_window_in(groups, auto_kv_dtype(self.dtype))
-        if self.kv_recent_tokens:
-            recent, dtype = self.kv_recent_tokens, auto_kv_dtype(self.dtype)
-            groups = with_recent(groups, config.num_layers, recent, dtype)
-        return groups
+        return cache_groups(model, config, self.kv_dtype, self.dtype, self.kv_skip_sliding,
+                            self.kv_recent_tokens)  # fmt: skip
 
     @property
     def torch_device(self) -> torch.device:
@@ -62,3 +57,22 @@ def auto_kv_dtype(dtype: str) -> str:
     mean KL divergence 2.4e-6 from float32 keys and values, bench/results/kv-cache-*.md, at
     half the bytes), else the model's dtype."""
     return "float16" if dtype == "float32" else dtype
+
+
+def cache_groups(
+    model: type[CausalLM],
+    config: ModelConfig,
+    kv_dtype: str,
+    dtype: str,
+    skip_sliding: bool = False,
+    recent_tokens: int = 0,
+) -> list[KVCacheGroup]:
+    """A model's cache groups in ``kv_dtype``: its sliding-window ones in ``auto_kv_dtype``'s
+    where ``skip_sliding``, and with ``recent_tokens`` the groups of their last tokens in it
+    (``models.kv_spec.with_recent``); ``dtype`` the model's."""
+    groups = model.kv_cache_groups(config, kv_dtype)
+    if skip_sliding:
+        groups = sliding_window_in(groups, auto_kv_dtype(dtype))
+    if recent_tokens:
+        groups = with_recent(groups, config.num_layers, recent_tokens, auto_kv_dtype(dtype))
+    return groups
