@@ -28,7 +28,7 @@ from kernels.backend import backend_names, default_backend
 from kernels.weights import QUANTIZABLE
 from models.config import ModelConfig
 from models.fetch import resolve_model
-from models.kv_spec import DTYPES, KV_DTYPES, kv_pair
+from models.kv_spec import CHANNEL_GROUP, DTYPES, KV_DTYPES, kv_pair
 
 ENGINE = "engine"
 OVERFLOW = "overflow policies (a request may override the context one)"
@@ -69,9 +69,12 @@ class EngineArgs:
         "auto",
         "KV cache storage (auto: float16 for a float32 model, else the model's dtype); int8 "
         "and fp8_e4m3 keep a float32 scale per token and head (a bit over a quarter of "
-        "float32's bytes), int4 a float16 scale per 32 values (about a seventh); quantized "
-        "rows are stored Hadamard-rotated; K/V, two of the quantized ones, stores keys in K "
-        "and values in V (int8/int4, as llama.cpp's -ctk q8_0 -ctv q4_0)",
+        "float32's bytes), int4 values a float16 scale per 32 values, int4 keys 8-bit codes "
+        "of a minimum and a scale per channel and 32 tokens, quantized once those are there "
+        "(about a seventh, KIVI's scheme; they keep at least 32 recent tokens, and the torch "
+        "and cpu backends read them); rows per token are stored Hadamard-rotated; K/V, two of "
+        "the quantized ones, stores keys in K and values in V (int8/int4, as llama.cpp's -ctk "
+        "q8_0 -ctv q4_0)",
         metavar="{auto," + ",".join(KV_DTYPES) + ",K/V}",
     )
     kv_cache_dtype_skip_layers: str | None = setting(
@@ -85,10 +88,14 @@ class EngineArgs:
         0,
         "the last N tokens of every sequence also kept in auto's dtype where the cache is "
         "quantized: attention reads a token's last N keys and values from there and only older "
-        "ones quantized",
+        "ones quantized (int4 keys: at least 32)",
     )
     device: str = setting("auto", "auto, cpu, cuda or cuda:N")
-    block_size: int = setting(16, "tokens per KV block (a power of two)")
+    block_size: int = setting(
+        16,
+        "tokens per KV block (a power of two; at least 32 with int4 keys, which are "
+        "quantized per 32 tokens)",
+    )
     num_kv_blocks: int | None = setting(
         None, "KV blocks per pool (overrides --kv-cache-memory)", exclusive="kv_size",
         when_none="from --kv-cache-memory",
@@ -300,6 +307,10 @@ class EngineArgs:
         for ok, name in checks:
             if not ok:
                 raise ValueError(f"invalid {name}: {getattr(self, name, None)!r}")
+        if self.kv_cache_dtype != "auto" and kv_pair(self.kv_cache_dtype)[0] == "int4":
+            # int4 keys are quantized per 32 tokens, which a block must hold whole: set here,
+            # once, for everything that reads the block size.
+            object.__setattr__(self, "block_size", max(self.block_size, CHANNEL_GROUP))
         if self.kv_cache_recent_tokens and self.scores_kept:
             raise ValueError(
                 "--kv-cache-recent-tokens keeps no importance scores: it does not go with "

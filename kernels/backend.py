@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import reference
+from kernels.kv_quant import per_channel
 from kernels.launch import Launch, Launcher
 from kernels.rotary import RopeLayout, delta_cos_sin, rotate_reference
 from kernels.weights import DENSE_TYPES, DecoderLayerWeights, Weight
@@ -268,7 +269,11 @@ class AttentionBackend(ABC):
                 self.prefill(*rows, scale, scores) if recent is None
                 else self.recent_prefill(*rows, recent[0], recent[1].prefills, scale)
             )  # fmt: skip
-        self.write_kv(k, v, kv_cache, meta.slot_mapping)
+        if recent is not None and per_channel(kv_cache[0]):
+            self.write_key_groups(k, kv_cache[0], meta, *recent)
+            self.write_cache(kv_cache[1], v, meta.slot_mapping)
+        else:
+            self.write_kv(k, v, kv_cache, meta.slot_mapping)
         if recent is not None:
             self.write_kv(k, v, recent[0], recent[1].slot_mapping)
         if nd:
@@ -300,6 +305,14 @@ class AttentionBackend(ABC):
         return reference.recent_decode_attention(
             q, *kv_cache, meta.block_tables, meta.seq_lens, *recent_cache,
             recent_meta.block_tables, recent_meta.window, scale, meta.window,
+        )  # fmt: skip
+
+    def write_key_groups(self, k, k_cache, meta, recent_cache: KVCache, recent_meta) -> None:
+        """The groups of int4 keys (``kernels.kv_quant``) a step's keys complete, before the
+        step writes its recent rows (``_attend``)."""
+        reference.write_key_groups(
+            k_cache, k, meta.block_tables, meta.cu_seqlens_q, meta.prefix_lens, recent_cache[0],
+            recent_meta.block_tables, recent_meta.window, meta.window,
         )  # fmt: skip
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slots) -> None:

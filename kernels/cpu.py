@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.kv_quant import KV_DTYPES, value_dim
+from kernels.kv_quant import KV_DTYPES, per_channel, value_dim
 from kernels.weights import PACK_ROWS, PACKED, DecoderLayerWeights, Parts, Weight
 
 SOURCES = Path(__file__).with_name("csrc") / "cpu"
@@ -337,14 +337,15 @@ def takes_scores(scores: torch.Tensor) -> bool:
 
 
 def takes_cache(cache: torch.Tensor) -> bool:
-    """Whether the kernels read and write this cache: on the CPU, in a ``kv_quant`` format, its
-    rows dense and whole."""
+    """Whether the kernels read and write this cache: on the CPU, in a ``kv_quant`` format but
+    int4 keys (per channel), its rows dense and whole."""
     return (
         cache.device.type == "cpu"
         and cache.dtype in KV_DTYPES.values()
         and cache.dim() == 4
         and cache.stride(-1) == 1
         and value_dim(cache) > 0
+        and not per_channel(cache)
     )
 
 

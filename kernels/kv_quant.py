@@ -12,6 +12,7 @@ tensor parallelism, CUDA graphs) moves scales with their values without knowing 
   int8            int8                   float32 scale (4 bytes), D int8            D + 4
   fp8_e4m3        float8_e4m3fn          float32 scale (4 bytes), D e4m3            D + 4
   int4            uint8                  per 32 values: float16 scale, 16 bytes     D / 32 * 18
+  int4 (keys)     uint8                  D / 2 bytes, a share of its group's codes  D / 32 * 18 + 1
   ==============  =====================  =========================================  ==========
 
 Each quantized row is first rotated by ``hadamard(D)`` (orthonormal and symmetric, so its own
@@ -26,6 +27,19 @@ as torch divides a number by a tensor: (1 / max) * 127, rounded twice.
 int4: each group of 32 rotated values is stored as llama.cpp's Q4_0 stores a block: d the
 signed value of largest magnitude over -8, byte j holding q_j (low nibble) and q_{j+16} (high),
 q = min(15, floor(x / d + 8.5)), x = d (q - 8).
+
+int4 keys are quantized per channel (KIVI), not per token: a few key channels carry outliers
+that one scale along the head cannot follow. Per head and channel, the 32 tokens of a group
+(slots 32g .. 32g + 31 of a block; a block holds whole groups) share a minimum and a scale:
+x = lo + s q, q in 0..15. Their codes are 8 bits each, on two float16 grids per head and group
+(as Q4_K codes its sub-blocks' scales): lo = lo0 + m dlo, rounded down, and s = c ds, rounded
+up, so that no value falls outside its range. The group's ``2 D + 6`` bytes of codes and grid
+ends (lo0, dlo, ds, then D codes m, then D codes c) are laid end to end over its 32 rows'
+tails, each tail ``ceil((2 D + 6) / 32)`` bytes: a row of 32n values holds 18n + 1 bytes, one
+more than a row per token, which is how the format is told apart. No rotation: it would spread
+the outlier channels over the others. A group is written once its 32 tokens are there
+(``quantize_channels``); until then attention reads them from the recent rows beside the cache
+(``models.kv_spec.with_recent``), which int4 keys always keep.
 
 The value cache may be a view of the key cache's rows (MLA): a prefix of the row, which in
 every format is a whole row of the first values (the scale leads the row, or each group).
@@ -53,6 +67,20 @@ FP8_MAX = 448.0
 HADAMARD = 64  # values per rotation block, where the row divides by it (else GROUP)
 
 
+CHANNEL_GROUP = 32  # tokens per int4 key group
+CHANNEL_GRID_BYTES = 6  # a group's float16 grid ends: lo0, dlo, ds
+
+
+def channel_tail(dim: int) -> int:
+    """Bytes of a group's codes each of its rows of ``dim`` int4 keys holds after its values."""
+    return -(-(2 * dim + CHANNEL_GRID_BYTES) // CHANNEL_GROUP)
+
+
+def per_channel(cache: torch.Tensor) -> bool:
+    """Whether ``cache`` holds int4 keys per channel: one byte more than a row per token."""
+    return cache.dtype == torch.uint8 and cache.shape[-1] % GROUP_BYTES == 1
+
+
 def is_quantized(cache: torch.Tensor) -> bool:
     return cache.dtype in QUANTIZED
 
@@ -61,13 +89,14 @@ def value_dim(cache: torch.Tensor) -> int:
     """D, the values of one head's row of ``cache`` (any format)."""
     r = cache.shape[-1]
     if cache.dtype == torch.uint8:
-        return r // GROUP_BYTES * GROUP
+        return r // GROUP_BYTES * GROUP  # per channel too: the extra byte is dropped
     return r - SCALE_BYTES if cache.dtype in QUANTIZED else r
 
 
 def rotated(cache: torch.Tensor) -> bool:
-    """Whether the format stores rows rotated by ``hadamard``: the quantized ones."""
-    return cache.dtype in QUANTIZED
+    """Whether the format stores rows rotated by ``hadamard``: the quantized ones but int4
+    keys."""
+    return cache.dtype in QUANTIZED and not per_channel(cache)
 
 
 def check_prefix(dtype: torch.dtype, dim: int, prefix: int) -> None:
@@ -154,6 +183,82 @@ def dequantize(rows: torch.Tensor) -> torch.Tensor:
         return rotate((d * q).reshape(*rows.shape[:-1], g.shape[-2] * GROUP))
     scale = rows[..., :SCALE_BYTES].contiguous().view(torch.uint8).view(torch.float32)
     return rotate(rows[..., SCALE_BYTES:].float() * scale)
+
+
+def _half(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """x rounded to float16 toward +inf (``up``) or -inf, back in float32."""
+    h = x.half()
+    off = h.float() < x if up else h.float() > x
+    limit = torch.full_like(h, float("inf") if up else float("-inf"))
+    return torch.where(off, torch.nextafter(h, limit), h).float()
+
+
+def _channel_grid(x: torch.Tensor):
+    """Groups x [..., 32, H, D] -> (lo0, dlo, ds) [..., 1, H, 1] and the codes m, c [..., 1,
+    H, D] of their channels' minimums and scales (the module's docstring)."""
+    lo, hi = x.amin(-3, keepdim=True), x.amax(-3, keepdim=True)
+    lo0 = _half(lo.amin(-1, keepdim=True), up=False)
+    dlo = _half((lo.amax(-1, keepdim=True) - lo0) / 255, up=True)
+    dlo = torch.where(dlo > 0, dlo, torch.ones_like(dlo))
+    m = torch.floor((lo - lo0) / dlo).clamp(0, 255)
+    scale = (hi - (lo0 + m * dlo)) / 15
+    ds = _half(scale.amax(-1, keepdim=True) / 255, up=True)
+    ds = torch.where(ds > 0, ds, torch.ones_like(ds))
+    c = torch.ceil(scale / ds).clamp(0, 255)
+    return lo0, dlo, ds, m, c
+
+
+def quantize_channels(x: torch.Tensor) -> torch.Tensor:
+    """Groups of int4 keys x [..., 32, H, D] -> their rows [..., 32, H, D / 32 * 18 + 1]."""
+    x = x.float()
+    lo0, dlo, ds, m, c = _channel_grid(x)
+    lo, s = lo0 + m * dlo, c * ds
+    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+    q = torch.round((x - lo) * inv).clamp(0, 15).to(torch.uint8)
+    half = GROUP // 2
+    g = q.unflatten(-1, (-1, GROUP))
+    nibbles = (g[..., :half] | (g[..., half:] << 4)).flatten(-2)
+    ends = torch.cat([lo0, dlo, ds], -1).half().view(torch.uint8)  # [..., 1, H, 6]
+    codes = torch.cat([ends, m.to(torch.uint8), c.to(torch.uint8)], -1)
+    tail = channel_tail(x.shape[-1])
+    codes = torch.nn.functional.pad(codes, (0, tail * CHANNEL_GROUP - codes.shape[-1]))
+    tails = codes.unflatten(-1, (CHANNEL_GROUP, tail)).movedim(-2, -4).squeeze(-3)
+    return torch.cat([nibbles, tails], -1)
+
+
+def dequantize_channels(rows: torch.Tensor) -> torch.Tensor:
+    """Rows of groups of int4 keys [..., 32, H, R] -> their values [..., 32, H, D], float32."""
+    dim = value_dim(rows)
+    nib = rows[..., : dim // 2].unflatten(-1, (-1, GROUP // 2))
+    q = torch.cat([nib & 15, nib >> 4], -1).flatten(-2).float()
+    codes = rows[..., dim // 2 :].movedim(-3, -2).flatten(-2)  # [..., H, 32 * tail]
+    ends = codes[..., :CHANNEL_GRID_BYTES].contiguous().view(torch.float16).float()
+    m = codes[..., CHANNEL_GRID_BYTES : CHANNEL_GRID_BYTES + dim].float()
+    c = codes[..., CHANNEL_GRID_BYTES + dim : CHANNEL_GRID_BYTES + 2 * dim].float()
+    lo = ends[..., :1] + m * ends[..., 1:2]  # [..., H, D]
+    s = c * ends[..., 2:3]
+    return lo.unsqueeze(-3) + s.unsqueeze(-3) * q
+
+
+def read_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """Whole blocks [n, bs, H, R] of a cache -> their values [n, bs, H, D], float32 (rotated
+    back)."""
+    if per_channel(blocks):
+        return dequantize_channels(blocks.unflatten(1, (-1, CHANNEL_GROUP))).flatten(1, 2)
+    return dequantize(blocks)
+
+
+def store_blocks(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Values of whole blocks x [n, bs, H, D] -> their rows in ``cache``'s format."""
+    if per_channel(cache):
+        return quantize_channels(x.unflatten(1, (-1, CHANNEL_GROUP))).flatten(1, 2)
+    return quantize(x, cache.dtype)
+
+
+def fake_quantize_channels(x: torch.Tensor) -> torch.Tensor:
+    """Keys x [..., T, H, D], T a multiple of 32, as int4 groups of 32 give them back."""
+    g = x.unflatten(-3, (-1, CHANNEL_GROUP))
+    return dequantize_channels(quantize_channels(g)).flatten(-4, -3).to(x.dtype)
 
 
 def fake_quantize(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -24,7 +24,17 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from kernels.kv_quant import dequantize, fake_quantize, quantize, value_dim
+from kernels.kv_quant import (
+    CHANNEL_GROUP,
+    dequantize,
+    dequantize_channels,
+    fake_quantize,
+    fake_quantize_channels,
+    per_channel,
+    quantize,
+    quantize_channels,
+    value_dim,
+)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
@@ -110,11 +120,23 @@ def gather_cache(
     cache: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, window: int = 0
 ) -> torch.Tensor:
     """Rows of ``cache`` ([N, bs, H, R]) at the given positions of one sequence -> [P, H, D],
-    dequantized to float32."""
+    dequantized to float32 (int4 keys: read by their whole groups)."""
+    positions = positions.to(table.device)
+    if per_channel(cache) and positions.numel():
+        groups, inverse = torch.unique(positions // CHANNEL_GROUP, return_inverse=True)
+        rows = groups[:, None] * CHANNEL_GROUP + torch.arange(CHANNEL_GROUP, device=table.device)
+        rows = rows.flatten()
+        stored = _rows(cache, table, rows, window).unflatten(0, (-1, CHANNEL_GROUP))
+        values = dequantize_channels(stored)
+        return values.flatten(0, 1)[inverse * CHANNEL_GROUP + positions % CHANNEL_GROUP]
+    return dequantize(_rows(cache, table, positions, window))
+
+
+def _rows(cache: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, window: int):
     # Index blocks and offsets directly: flattening a strided view (MLA's value) would copy
     # the whole cache.
-    blocks, offsets = _blocks_and_offsets(table, positions.to(table.device), cache.shape[1], window)
-    return dequantize(cache[blocks, offsets])
+    blocks, offsets = _blocks_and_offsets(table, positions, cache.shape[1], window)
+    return cache[blocks, offsets]
 
 
 def write_cache(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -125,6 +147,60 @@ def write_cache(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Ten
         rows, slot_mapping = rows[keep], slot_mapping[keep]
     flat = cache.view(cache.shape[0] * cache.shape[1], *cache.shape[2:])
     flat[slot_mapping] = quantize(rows, cache.dtype)
+
+
+def _key_groups(k_new, prefix: int, rk_cache, recent_table, recent: int) -> torch.Tensor:
+    """One sequence's keys from its first group that new rows ``k_new`` [n, H, D] (at
+    ``prefix``..) complete to its last row, as the recent ring holds them: a group is
+    quantized from those values, whichever step wrote its rows. The rows before ``prefix``
+    from the ring, which holds them until this step writes it."""
+    start = prefix - prefix % CHANNEL_GROUP
+    head = gather_cache(rk_cache, recent_table, torch.arange(start, prefix), recent)
+    return torch.cat([head, k_new.to(rk_cache.dtype).float()])
+
+
+def _grouped_keys(
+    k, lo, hi, prefix, first, k_cache, table, window, rk_cache, recent_table, recent
+) -> torch.Tensor:
+    """A prefill chunk's keys at ``first``.. (rows lo..hi of k, at ``prefix``..) as int4 groups
+    give them back: the groups cached before the chunk from the cache, the ones it completes
+    quantized here (``write_key_groups`` writes them after attention), the last, partial one
+    as it is: its rows are within ``recent`` of every row that reads them."""
+    rows = _key_groups(k[lo:hi], prefix, rk_cache, recent_table, recent)
+    full = rows.shape[0] // CHANNEL_GROUP * CHANNEL_GROUP
+    rows = torch.cat([fake_quantize_channels(rows[:full]), rows[full:]])
+    split = max(first, prefix - prefix % CHANNEL_GROUP)
+    cached = gather_cache(k_cache, table, torch.arange(first, split), window)
+    return torch.cat([cached, rows[split - (prefix + hi - lo) :]])
+
+
+def write_key_groups(
+    k_cache: torch.Tensor,
+    k: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    rk_cache: torch.Tensor,
+    recent_tables: torch.Tensor,
+    recent: int,
+    window: int = 0,
+) -> None:
+    """Writes the groups of int4 keys (``kernels.kv_quant``) that a step's new keys k [T, H, D]
+    complete, per channel, before the step writes the recent ring that holds their first
+    rows. A group not yet complete is not written: attention reads its rows from the ring."""
+    bounds = cu_seqlens_q.tolist()
+    bs = k_cache.shape[1]
+    for i, prefix in enumerate(prefix_lens.tolist()):
+        lo, hi = bounds[i], bounds[i + 1]
+        start = prefix - prefix % CHANNEL_GROUP
+        full = (prefix + hi - lo - start) // CHANNEL_GROUP * CHANNEL_GROUP
+        if hi == lo or not full:
+            continue
+        rows = _key_groups(k[lo:hi], prefix, rk_cache, recent_tables[i], recent)[:full]
+        groups = quantize_channels(rows.unflatten(0, (-1, CHANNEL_GROUP))).flatten(0, 1)
+        pos = torch.arange(start, start + full)
+        blocks, offsets = _blocks_and_offsets(block_tables[i], pos, bs, window)
+        k_cache[blocks, offsets] = groups
 
 
 def _attend(q, k, v, scale, mask=None):
@@ -364,9 +440,14 @@ def recent_prefill_attention(
     """``prefill_attention`` of such a layer: the row at position t reads keys and values at
     t - recent < p <= t as the recent caches give them back, and those at p <= t - recent as
     k/v give them back (new ones read back in each cache's format, as a decode would read
-    them). ``attend`` as ``prefill_attention``'s."""
+    them; int4 keys by their groups, which ``write_key_groups`` writes after this).
+    ``attend`` as ``prefill_attention``'s."""
     attend = attend or _attend
-    k_old, v_old = read_back(k, v, k_cache, v_cache)
+    channels = per_channel(k_cache)
+    if channels:  # keys read back by their groups, per sequence
+        k_old, v_old = k, fake_quantize(v, v_cache.dtype)
+    else:
+        k_old, v_old = read_back(k, v, k_cache, v_cache)
     k_new, v_new = read_back(k, v, rk_cache, rv_cache)
     out = torch.empty(*q.shape[:2], v.shape[-1], dtype=q.dtype, device=q.device)
     bounds = cu_seqlens_q.tolist()
@@ -386,6 +467,23 @@ def recent_prefill_attention(
             kv = [torch.cat([gather_cache(c, table, cached, ring), r[lo:hi].float()])
                   for c, r in zip(caches, rows)]  # fmt: skip
             parts.append((*kv, torch.arange(lo_k, prefix + hi - lo, device=q.device)[None, :]))
+        if channels:
+            parts[0] = (
+                _grouped_keys(
+                    k,
+                    lo,
+                    hi,
+                    prefix,
+                    first,
+                    k_cache,
+                    block_tables[i],
+                    window,
+                    rk_cache,
+                    recent_tables[i],
+                    recent,
+                ),
+                *parts[0][1:],
+            )
         (k_a, v_a, pos_a), (k_b, v_b, pos_b) = parts
         mask_a = pos_a <= pos_q - recent
         mask_b = (pos_b <= pos_q) & (pos_b > pos_q - recent)

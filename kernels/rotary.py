@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.kv_quant import dequantize, quantize
+from kernels.kv_quant import read_blocks, store_blocks
 from kernels.launch import Launch, run
 
 try:
@@ -73,12 +73,12 @@ def rotate_reference(
     i1, i2 = (i.to(cache.device) for i in layout.pair_indices())
     cos, sin = (t.to(cache.device, torch.float32) for t in delta_cos_sin(layout, delta))
     idx = blocks.to(cache.device, torch.long)
-    rows = dequantize(cache[idx])  # [n, bs, H, D]
+    rows = read_blocks(cache[idx])  # [n, bs, H, D]
     offset = 0 if layout.offset is None else layout.offset.to(rows.device, torch.float32)
     rows += offset
     x1, x2 = rows[..., i1], rows[..., i2]
     rows[..., i1], rows[..., i2] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-    cache[idx] = quantize(rows - offset, cache.dtype)
+    cache[idx] = store_blocks(rows - offset, cache)
 
 
 if triton is not None:

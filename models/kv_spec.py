@@ -32,10 +32,12 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 DTYPES = ("float32", "bfloat16", "float16")  # what models and caches can be served in
 # What a cache may store its rows in besides those (``kernels.kv_quant`` lays them out): one
 # byte per value and a float32 scale per token and head, or 4 bits per value and a float16
-# scale per group of 32.
+# scale per group of 32 values (int4 keys: 8-bit codes of a minimum and a scale per channel
+# and group of 32 tokens, which the cache's blocks and the recent rows must hold whole).
 QUANTIZED_KV = ("int8", "fp8_e4m3", "int4")
 KV_DTYPES = DTYPES + QUANTIZED_KV
 INT4_GROUP = 32
+CHANNEL_GROUP = 32  # tokens per scale of int4 keys; a block holds whole groups
 
 
 def kv_pair(dtype: str) -> tuple[str, str]:
@@ -52,20 +54,29 @@ def kv_pair(dtype: str) -> tuple[str, str]:
     return key, value
 
 
+def channel_keys(spec) -> bool:
+    """Whether a spec's keys are int4, quantized per channel over groups of ``CHANNEL_GROUP``
+    tokens (an MLA cache's rows are keys and values at once: quantized per token)."""
+    return not isinstance(spec, MLASpec) and kv_pair(spec.dtype)[0] == "int4"
+
+
 def keys_quantized(dtype: str) -> bool:
     """Whether the keys of a cache of ``dtype`` are stored quantized."""
     return kv_pair(dtype)[0] in QUANTIZED_KV
 
 
-def row_bytes(dtype: str, dim: int) -> int:
-    """Bytes of one head's row of ``dim`` values in a cache of ``dtype`` (a ``KV_DTYPES``)."""
+def row_bytes(dtype: str, dim: int, keys: bool = False) -> int:
+    """Bytes of one head's row of ``dim`` values in a cache of ``dtype`` (a ``KV_DTYPES``);
+    ``keys``: of a key cache, where int4 rows also hold a share of their group's per-channel
+    codes (``kernels.kv_quant``)."""
     if dtype in QUANTIZED_KV and dim % INT4_GROUP:
         raise ValueError(
             f"--kv-cache-dtype {dtype} needs head sizes that are multiples of 32 (rows are "
             f"stored rotated in blocks of 32 or 64 values), not {dim}"
         )
     if dtype == "int4":
-        return dim // INT4_GROUP * (2 + INT4_GROUP // 2)
+        per_token = dim // INT4_GROUP * (2 + INT4_GROUP // 2)
+        return per_token + (1 if keys else 0)
     if dtype in QUANTIZED_KV:
         return dim + 4
     return dim * DTYPE_BYTES[dtype]
@@ -86,7 +97,10 @@ class FullAttentionSpec:
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token costs in one layer (K and V)."""
-        return self.num_kv_heads * sum(row_bytes(d, self.head_dim) for d in kv_pair(self.dtype))
+        key, value = kv_pair(self.dtype)
+        return self.num_kv_heads * (
+            row_bytes(key, self.head_dim, keys=True) + row_bytes(value, self.head_dim)
+        )
 
     def num_blocks(self, num_tokens: int, block_size: int) -> int:
         """Blocks a sequence of ``num_tokens`` cached tokens holds."""

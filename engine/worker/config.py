@@ -10,7 +10,7 @@ import torch
 
 from models.config import ModelConfig
 from models.interface import CausalLM
-from models.kv_spec import KVCacheGroup, sliding_window_in, with_recent
+from models.kv_spec import CHANNEL_GROUP, KVCacheGroup, channel_keys, sliding_window_in, with_recent
 
 
 @dataclass(frozen=True)
@@ -68,11 +68,16 @@ def cache_groups(
     recent_tokens: int = 0,
 ) -> list[KVCacheGroup]:
     """A model's cache groups in ``kv_dtype``: its sliding-window ones in ``auto_kv_dtype``'s
-    where ``skip_sliding``, and with ``recent_tokens`` the groups of their last tokens in it
-    (``models.kv_spec.with_recent``); ``dtype`` the model's."""
+    where ``skip_sliding``, and with ``recent_tokens`` (at least 32 where keys are int4) the
+    groups of their last tokens in it (``models.kv_spec.with_recent``); ``dtype`` the
+    model's."""
     groups = model.kv_cache_groups(config, kv_dtype)
     if skip_sliding:
         groups = sliding_window_in(groups, auto_kv_dtype(dtype))
+    if any(channel_keys(g.spec) for g in groups):
+        # A group of int4 keys is quantized once its 32 tokens are there: until then, and
+        # while a row may still read them, attention finds them among the recent rows.
+        recent_tokens = max(recent_tokens, CHANNEL_GROUP)
     if recent_tokens:
         groups = with_recent(groups, config.num_layers, recent_tokens, auto_kv_dtype(dtype))
     return groups

@@ -24,7 +24,14 @@ from kernels.kv_quant import KV_DTYPES, check_prefix
 from kernels.paged import ForwardContext
 from kernels.rotary import RopeLayout
 from models.interface import CausalLM
-from models.kv_spec import KVCacheGroup, MLASpec, keys_quantized, kv_pair, row_bytes
+from models.kv_spec import (
+    KVCacheGroup,
+    MLASpec,
+    channel_keys,
+    keys_quantized,
+    kv_pair,
+    row_bytes,
+)
 from models.layers import use_backend
 from models.loader import load_model
 from models.tensor_parallel import NO_TP, TPRank, shard_config
@@ -81,6 +88,16 @@ class ModelRunner:
         ]
         # Groups of recent tokens (``models.kv_spec.with_recent``) hold layers numbered past the
         # model's: a layer with one has its cache there too, at its id plus the layer count.
+        if config.kv_scores and any(g.recent for g in self.groups):
+            raise ValueError(
+                "importance scores (--kv-scores, eviction by importance) do not go with recent "
+                "rows (--kv-cache-recent-tokens, or int4 keys, which keep them)"
+            )
+        if self.backend.name == "triton" and any(channel_keys(g.spec) for g in self.groups):
+            raise ValueError(
+                "the triton backend does not read int4 keys (per channel) yet: use "
+                "--kv-cache-dtype int8/int4"
+            )
         size = max(layer for g in self.groups for layer in g.layer_ids) + 1
         layer_to_group = [-1] * size
         for gi, g in enumerate(self.groups):
@@ -201,9 +218,9 @@ class ModelRunner:
         # The host pool is only touched by swaps: empty() leaves its pages unmapped until then.
         new = torch.zeros if device is None else torch.empty
 
-        def cache(dtype: str, dim: int, heads: int) -> torch.Tensor:
+        def cache(dtype: str, dim: int, heads: int, keys: bool = False) -> torch.Tensor:
             torch_dtype = KV_DTYPES[dtype]
-            row = row_bytes(dtype, dim) // torch_dtype.itemsize
+            row = row_bytes(dtype, dim, keys) // torch_dtype.itemsize
             kw = dict(dtype=torch_dtype, device=device or self.device, pin_memory=pin)
             return new((n, block_size, heads, row), **kw)
 
@@ -213,7 +230,7 @@ class ModelRunner:
             # A row's prefix is a row of its first values in every format (kernels.kv_quant).
             return rows, rows[..., : row_bytes(spec.dtype, spec.kv_lora_rank) // rows.itemsize]
         key, value = kv_pair(spec.dtype)
-        return cache(key, spec.head_dim, spec.num_kv_heads), cache(
+        return cache(key, spec.head_dim, spec.num_kv_heads, keys=True), cache(
             value, spec.head_dim, spec.num_kv_heads
         )
 
