@@ -15,9 +15,9 @@ A scheme quantizes keys and values each one way:
   a group of 32 values), keys less their offset (``models.llama.rotated_bias_mean``) as the
   engine caches them;
 - ``ch4``: keys per channel, 4-bit with a minimum (KIVI): per head and channel one scale and
-  one minimum over the ``group`` tokens of a block, in float16, no rotation; ``ch4q8``: the
-  same with each channel's scale and minimum in 8 bits, on a float16 grid per head and block
-  (the largest scale; the minimums' range), as Q4_K codes its sub-blocks' scales.
+  one minimum over the ``group`` tokens of a block, in float16, no rotation; ``int4 keys``:
+  the engine's int4 keys, the same over 32 tokens with each channel's scale and minimum in 8
+  bits, on float16 grids per head and group, as Q4_K codes its sub-blocks' scales.
 
 ``recent``: the query's own block of ``block`` tokens, and the ``recent - 1`` blocks before it,
 are read as they are, not quantized: a block's per-channel scales exist only once it is full,
@@ -56,39 +56,30 @@ def token_format(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: kv_quant.fake_quantize(x, dtype)
 
 
-def _half(x: torch.Tensor, down: bool) -> torch.Tensor:
-    """x rounded to float16 toward -inf (``down``) or +inf, back in float32."""
-    h = x.half()
-    off = h.float() > x if down else h.float() < x
-    limit = torch.full_like(h, float("-inf") if down else float("inf"))
-    return torch.where(off, torch.nextafter(h, limit), h).float()
-
-
-def per_channel(x: torch.Tensor, group: int, bits: int = 4, coded: bool = False) -> torch.Tensor:
+def per_channel(x: torch.Tensor, group: int, bits: int = 4) -> torch.Tensor:
     """x [B, H, T, D] quantized per (head, channel) over each ``group`` tokens: q in
-    [0, 2^bits - 1], x = q * scale + minimum, scale and minimum in float16, or ``coded`` in 8
-    bits each: the minimum rounded down on a grid of 255 steps over the head's minimums, the
-    scale rounded up on one of 255 steps up to the head's largest, both grids' ends float16."""
+    [0, 2^bits - 1], x = q * scale + minimum, scale and minimum in float16."""
     b, h, t, d = x.shape
     pad = -t % group
     g = torch.nn.functional.pad(x, (0, 0, 0, pad)).view(b, h, -1, group, d)
     lo, hi = g.amin(3, keepdim=True), g.amax(3, keepdim=True)
     top = 2**bits - 1
-    if coded:  # grid ends rounded outwards, codes so that no value falls outside its range
-        lo_min = _half(lo.amin(-1, keepdim=True), down=True)
-        step = _half((lo.amax(-1, keepdim=True) - lo_min) / 255, down=False)
-        step = torch.where(step > 0, step, torch.ones_like(step))
-        lo = lo_min + torch.floor((lo - lo_min) / step).clamp(0, 255) * step
-        scale = (hi - lo) / top
-        s_step = _half(scale.amax(-1, keepdim=True) / 255, down=False)
-        s_step = torch.where(s_step > 0, s_step, torch.ones_like(s_step))
-        scale = torch.ceil(scale / s_step).clamp(0, 255) * s_step
-    else:
-        scale = ((hi - lo) / top).half().float()
-        lo = lo.half().float()
+    scale = ((hi - lo) / top).half().float()
+    lo = lo.half().float()
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.clamp(torch.round((g - lo) / scale), 0, top)
     return (q * scale + lo).view(b, h, -1, d)[:, :, :t]
+
+
+def int4_keys(x: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D] as the engine's int4 keys give it back (``kernels.kv_quant``: per channel
+    over groups of 32 tokens, 8-bit codes), quantized from the float16 values its recent rows
+    hold; the last, partial group as it is (the engine reads it from the recent rows)."""
+    t = x.shape[2]
+    full = t - t % kv_quant.CHANNEL_GROUP
+    rows = x[:, :, :full].half().float().transpose(1, 2)
+    quantized = kv_quant.fake_quantize_channels(rows).transpose(1, 2)
+    return torch.cat([quantized, x[:, :, full:]], 2)
 
 
 @dataclass(frozen=True)
@@ -109,13 +100,8 @@ def sides(group: int = BLOCK) -> dict[str, Side]:
         f"ch4/{group}": Side(
             f"ch4/{group}", lambda x: per_channel(x, group), lambda d: 4 + 32 / group, False
         ),
-        # 8-bit codes per channel, three float16 grid ends per head and block
-        f"ch4q8/{group}": Side(
-            f"ch4q8/{group}",
-            lambda x: per_channel(x, group, coded=True),
-            lambda d: 4 + 16 / group + 48 / (group * d),
-            False,
-        ),  # fmt: skip
+        # the engine's: 8-bit codes per channel, three float16 grid ends per head and group
+        "int4 keys": Side("int4 keys", int4_keys, lambda d: 4 + 8 * kv_quant.channel_tail(d) / d),
     }
 
 
@@ -125,6 +111,9 @@ class Scheme:
     value: Side
     recent: int = 0  # the query's own block and the recent - 1 before it read unquantized
     block: int = BLOCK
+    # The dtype the recent keys and values are read back in: the engine's recent rows'
+    # (float16 for a float32 model).
+    rounded: torch.dtype | None = None
 
     @property
     def name(self) -> str:
@@ -150,8 +139,9 @@ def schemes() -> list[Scheme]:
         Scheme(s["ch4/16"], s["int4"], 8),
         Scheme(s32["ch4/32"], s["int4"], 1, 32),
         Scheme(s32["ch4/32"], s["int4"], 4, 32),
-        Scheme(s32["ch4q8/32"], s["int4"], 1, 32),
-        Scheme(s32["ch4q8/32"], s["int4"], 4, 32),
+        Scheme(s32["int4 keys"], s["int4"], 1, 32),
+        Scheme(s32["int4 keys"], s["int4"], 2, 32),
+        Scheme(s32["int4 keys"], s["int4"], 4, 32),
     ]
 
 
@@ -176,6 +166,10 @@ class FakeQuantizedAttention:
         offset = self.offsets[module.layer_idx]
         k_read = self._stored(self.scheme.key, key, offset)
         v_read = self._stored(self.scheme.value, value)
+        if self.scheme.rounded is not None:
+            centered = key if offset is None else key - offset
+            key = centered.to(self.scheme.rounded).float() + (0 if offset is None else offset)
+            value = value.to(self.scheme.rounded).float()
         group = query.shape[1] // key.shape[1]
         key, value, k_read, v_read = (x.repeat_interleave(group, 1)
                                       for x in (key, value, k_read, v_read))  # fmt: skip

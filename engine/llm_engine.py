@@ -45,6 +45,11 @@ from models.tensor_parallel import check as check_tensor_parallel
 from models.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.engine")
+# What eviction by importance answers a cache of int4 keys.
+_NO_EVICTION = (
+    "eviction by importance (snapkv, h2o, knorm) moves cached tokens, which int4 keys, "
+    "quantized per 32 tokens, cannot follow: choose shift, sink, truncate or stop"
+)
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,8 @@ class LLMEngine:
                      time.perf_counter() - start)  # fmt: skip
         else:
             log.info("decode steps run eagerly: %s", eager)
+        if args.context_overflow in IMPORTANCE_POLICIES and self.runner.channel_keys:
+            raise ValueError(_NO_EVICTION)
         events = args.kv_events()
         self.kv_events = EventLog(self.cache_config.block_size) if events else None
         self.kv = KVCacheManager(self.cache_config, self.kv_events)
@@ -292,6 +299,8 @@ class LLMEngine:
                 param="overflow.policy",
                 code="invalid_overflow",
             )
+        if policy.name in IMPORTANCE_POLICIES and self.runner.channel_keys:
+            raise RequestError(_NO_EVICTION, param="overflow.policy", code="invalid_overflow")
         decision = policy.admit(self._prompt_state(len(prompt_token_ids), params))
         if isinstance(decision, Reject):
             self.metrics.refused(decision.code, policy.name)

@@ -93,7 +93,10 @@ class ModelRunner:
                 "importance scores (--kv-scores, eviction by importance) do not go with recent "
                 "rows (--kv-cache-recent-tokens, or int4 keys, which keep them)"
             )
-        if self.backend.name == "triton" and any(channel_keys(g.spec) for g in self.groups):
+        # int4 keys are quantized per 32 tokens: eviction's compaction would move rows out of
+        # their groups (``engine.llm_engine`` refuses it).
+        self.channel_keys = any(channel_keys(g.spec) for g in self.groups)
+        if self.backend.name == "triton" and self.channel_keys:
             raise ValueError(
                 "the triton backend does not read int4 keys (per channel) yet: use "
                 "--kv-cache-dtype int8/int4"

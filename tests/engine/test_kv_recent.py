@@ -47,17 +47,22 @@ def test_logits_are_transformers_reading_older_tokens_quantized_and_recent_ones_
     from transformers import AutoModelForCausalLM
 
     llm = make(models / "llama", kv, attention_backend=backend)
-    prompts = [random_prompt(n, VOCAB, seed=n) for n in (5, 19, 40)]
+    prompts = [random_prompt(n, VOCAB, seed=n) for n in (5, 40, 70)]
     results = generate_with_logits(llm, prompts, monkeypatch, max_tokens=12)
     hf = AutoModelForCausalLM.from_pretrained(models / "llama", dtype=torch.float32).eval()
     attention = kv_schemes.attach(hf)
     layers = llm.engine.runner.model.model.layers
     attention.offsets = [layer.self_attn.key_offset[None, :, None, :] for layer in layers]
     sides = kv_schemes.sides()
-    key, value = (sides[d] for d in kv_pair(kv))
+    key, value = kv_pair(kv)
+    # int4 keys: per channel (and at least 32 recent tokens); as the engine's recent rows give
+    # them back, in float16, which the groups are quantized from.
+    key = sides["int4 keys" if key == "int4" else key]
+    window = llm.engine.runner.groups[-1].spec.window
+    assert window == (32 if kv == "int4" else RECENT)
     errors = {}
-    for recent in (RECENT, 0):  # one token a block: the last RECENT tokens as they are
-        attention.scheme = kv_schemes.Scheme(key, value, recent, block=1)
+    for recent in (window, 0):  # one token a block: the last ``window`` tokens as they are
+        attention.scheme = kv_schemes.Scheme(key, sides[value], recent, 1, torch.float16)
         errors[recent] = []
         for prompt, (out, logits) in zip(prompts, results):
             ids = torch.tensor([prompt + out[:-1]])
@@ -69,12 +74,12 @@ def test_logits_are_transformers_reading_older_tokens_quantized_and_recent_ones_
                 assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.9
     # Within int4's tolerance of the oracle (test_kv_dtypes: a value on the other side of a
     # rounding boundary moves a logit by a step), and far from reading every token quantized.
-    assert max(errors[RECENT]) < 3e-2, errors
-    assert max(errors[RECENT]) < min(errors[0]) / 10, errors
+    assert max(errors[window]) < 3e-2, errors
+    assert max(errors[window]) < min(errors[0]) / 10, errors
     assert_pool_whole(llm)
 
 
-@pytest.mark.parametrize("model,kv", [("llama", "int8/int4"), ("gemma3", "int4")])
+@pytest.mark.parametrize("model,kv", [("llama", "int8/int4"), ("gemma3", "fp8_e4m3/int4")])
 def test_the_fused_cpu_layers_read_the_window_as_the_torch_backend(models, model, kv, monkeypatch):
     """Decodes beside prefill chunks (a budget of 16 tokens a step), through the C++ decoder
     layers, which write and read the recent rows themselves."""
@@ -104,12 +109,14 @@ def test_a_window_past_the_context_is_the_float_cache(models):
 def test_prefix_caching_and_preemption_give_the_tokens_of_a_request_alone(models, model, kv):
     """Cached prefix blocks come with their recent tokens' blocks (a ring hit, as a sliding
     window's), and requests preempted by swap or recompute give the tokens each gets alone."""
-    shared = random_prompt(24, VOCAB, seed=1)
+    shared = random_prompt(40, VOCAB, seed=1)  # a whole block of 32 (int4 keys' blocks)
     prompts = [shared + random_prompt(4 + i, VOCAB, seed=10 + i) for i in range(6)]
     params = [greedy(24 + 2 * i) for i in range(6)]
     alone = [tokens(make(models / model, kv).generate([p], q))[0] for p, q in zip(prompts, params)]
+    blocks = 4 if kv == "int4" else 16  # of 32 tokens or 8
     for mode in ("recompute", "swap"):
-        llm = make(models / model, kv, num_kv_blocks=16, preemption_mode=mode, swap_space_gib=0.01)
+        llm = make(models / model, kv, num_kv_blocks=blocks, preemption_mode=mode,
+                   swap_space_gib=0.01)  # fmt: skip
         assert tokens(llm.generate(prompts, params)) == alone
         registry = llm.engine.metrics.registry
         assert registry.get_sample_value("kvserve:num_preemptions_total", {"mode": mode})
