@@ -205,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def plan(name: str):
         settings = quality.kv_settings(name)
-        return make_plan(str(path), 1, 4096, 16, "float32",
+        block_size = EngineArgs(model=str(path), **settings).block_size  # int4 keys: 32
+        return make_plan(str(path), 1, 4096, block_size, "float32",
                          kv_cache_dtype=settings["kv_cache_dtype"],
                          kv_recent_tokens=settings["kv_cache_recent_tokens"])  # fmt: skip
 

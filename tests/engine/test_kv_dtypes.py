@@ -73,7 +73,8 @@ def cases(*models: str, pair: bool = True) -> list:
 def test_caches_are_stored_in_the_dtype_the_spec_counts(models, model, kv):
     llm = make(models / model, kv)
     runner = llm.engine.runner
-    for group in runner.groups:
+    # int4 keys keep recent rows beside (tests/engine/test_kv_recent.py)
+    for group in (g for g in runner.groups if not g.recent):
         assert group.spec.dtype == kv
         k_cache, v_cache = runner.kv_caches[group.layer_ids[0]]
         key, value = kv_pair(kv)
@@ -100,18 +101,18 @@ def test_auto_is_float16_for_a_float32_model(models):
 def test_the_sliding_window_layers_keep_auto_dtype_where_told(models):
     from engine.capacity import make_plan
 
-    llm = make(models / "gemma3", "int4", kv_cache_dtype_skip_layers="sliding_window")
+    llm = make(models / "gemma3", "int8", kv_cache_dtype_skip_layers="sliding_window")
     runner = llm.engine.runner
     dtypes = {bool(g.spec.window): g.spec.dtype for g in runner.groups}
-    assert dtypes == {True: "float16", False: "int4"}
+    assert dtypes == {True: "float16", False: "int8"}
     for group in runner.groups:
         k_cache, v_cache = runner.kv_caches[group.layer_ids[0]]
         assert k_cache.dtype == v_cache.dtype == kv_quant.KV_DTYPES[group.spec.dtype]
     plan = make_plan(
-        str(models / "gemma3"), 0.01, 128, 8, "float32", kv_cache_dtype="int4",
+        str(models / "gemma3"), 0.01, 128, 8, "float32", kv_cache_dtype="int8",
         kv_skip_sliding=True,
     )  # fmt: skip
-    assert sorted(row.dtype for row in plan.rows) == ["float16", "int4"]
+    assert sorted(row.dtype for row in plan.rows) == ["float16", "int8"]
     prompt = random_prompt(40, VOCAB, seed=6)
     assert len(tokens(llm.generate([prompt], greedy(20)))[0]) == 20
     assert_pool_whole(llm)
@@ -184,7 +185,7 @@ TOLERANCE[PAIR] = TOLERANCE["int4"]
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
-@pytest.mark.parametrize("kv", [*DTYPES, PAIR])
+@pytest.mark.parametrize("kv", [*(d for d in DTYPES if d != "int4"), PAIR])  # int4: test_kv_recent
 def test_logits_are_transformers_reading_the_same_quantized_keys_and_values(
     models, kv, backend, monkeypatch
 ):
@@ -234,12 +235,14 @@ def checkpoint_tensors(path) -> dict[str, torch.Tensor]:
 def test_prefix_caching_and_preemption_give_the_tokens_of_a_request_alone(models, model, kv):
     """A shared prefix read from cached quantized blocks, and requests preempted by swap or
     recompute, give the tokens each gets alone; the pools are whole after."""
-    shared = random_prompt(24, VOCAB, seed=1)
+    shared = random_prompt(40, VOCAB, seed=1)  # over a block of 32 (int4's)
     prompts = [shared + random_prompt(4 + i, VOCAB, seed=10 + i) for i in range(6)]
     params = [greedy(24 + 2 * i) for i in range(6)]
     alone = [tokens(make(models / model, kv).generate([p], q))[0] for p, q in zip(prompts, params)]
+    blocks = 4 if kv == "int4" else 14  # of 32 tokens or 8
     for mode in ("recompute", "swap"):
-        llm = make(models / model, kv, num_kv_blocks=14, preemption_mode=mode, swap_space_gib=0.01)
+        llm = make(models / model, kv, num_kv_blocks=blocks, preemption_mode=mode,
+                   swap_space_gib=0.01)  # fmt: skip
         assert tokens(llm.generate(prompts, params)) == alone
         assert llm.engine.metrics.registry.get_sample_value(
             "kvserve:num_preemptions_total", {"mode": mode}
@@ -258,7 +261,9 @@ def test_a_shifting_context_runs_on_quantized_keys_as_on_the_reference(models, m
     params = greedy(150, overflow=ContextOverflow("shift", 4, 16))
     outs = {}
     for backend in ("cpu", "torch"):
-        llm = make(models / model, kv, max_model_len=48, attention_backend=backend)
+        # int4's blocks of 32: a context that n_keep and n_discard, rounded to blocks, fit in
+        length = 96 if kv == "int4" else 48
+        llm = make(models / model, kv, max_model_len=length, attention_backend=backend)
         outs[backend] = tokens(llm.generate([prompt], params))[0]
         assert len(outs[backend]) == 150
         assert_pool_whole(llm)
@@ -323,10 +328,10 @@ def test_real_models_decode_greedily_from_float16_keys_as_from_float32(request, 
     assert outs["float16"] == outs["float32"]
 
 
-# What each quantized dtype may cost on Qwen2.5-Coder-0.5B, teacher forced over 320 tokens of
-# prose against float32 keys and values (measured: int8 ~7e-4, fp8 ~3e-2, int4 ~0.3 mean KLD;
-# bench/results/kv-cache-*.md over 2048 tokens).
-BOUNDS = {"int8": (3e-3, 0.95), "fp8_e4m3": (0.1, 0.85), "int4": (0.8, 0.6)}
+# What each quantized dtype may cost on Qwen2.5-Coder-0.5B, teacher forced over 192 tokens of
+# prose against float32 keys and values (measured: int8 ~7e-4, fp8 ~3e-3, int4 ~3e-4 mean KLD,
+# its last 32 tokens read from the recent rows; bench/results/kv-cache-*.md over 2048 tokens).
+BOUNDS = {"int8": (3e-3, 0.95), "fp8_e4m3": (0.1, 0.85), "int4": (1e-2, 0.95)}
 
 
 @pytest.mark.slow
@@ -347,4 +352,4 @@ def test_quantized_caches_cost_qwen_what_they_are_stated_to(qwen05_dir):
     for kv, (kld, top1) in BOUNDS.items():
         assert 0 < costs[kv].kld_mean < kld, (kv, costs[kv])
         assert costs[kv].top1 >= top1, (kv, costs[kv])
-    assert costs["int8"].kld_mean < costs["fp8_e4m3"].kld_mean < costs["int4"].kld_mean
+    assert costs["int8"].kld_mean < costs["fp8_e4m3"].kld_mean
