@@ -204,7 +204,10 @@ class LLMEngine:
         if tier and not args.enable_prefix_caching:
             raise ValueError("--kv-host-cache-gib keeps prefix blocks: it needs prefix caching")
         if tier and any(g.recent for g in groups):
-            raise ValueError("--kv-host-cache-gib does not go with --kv-cache-recent-tokens yet")
+            raise ValueError(
+                "--kv-host-cache-gib does not go with recent rows (--kv-cache-recent-tokens, or "
+                "int4 keys, which keep them) yet"
+            )
         if tier and any(g.spec.window for g in groups):
             raise ValueError(
                 "--kv-host-cache-gib: models with sliding-window layers (Gemma 3) are not "

@@ -328,7 +328,7 @@ def llama_d32(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "float16"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "int8/int4", "float16"])
 def test_every_kv_dtype_evicts(llama_d32, kv_dtype):
     llm = make(llama_d32, kv_cache_dtype=kv_dtype)
     ref = make(llama_d32, kv_cache_dtype=kv_dtype, attention_backend="torch")
@@ -338,6 +338,19 @@ def test_every_kv_dtype_evicts(llama_d32, kv_dtype):
         got = llm.generate([prompt], params)[0].outputs[0].token_ids
         assert got == ref.generate([prompt], params)[0].outputs[0].token_ids
         check_pool(llm)
+
+
+def test_int4_keys_refuse_eviction_by_importance(llama_d32):
+    """int4 keys are quantized per 32 tokens: compaction would move rows out of their groups."""
+    from engine.core.errors import RequestError
+
+    with pytest.raises(ValueError, match="int4 keys"):
+        make(llama_d32, kv_cache_dtype="int4", kv_scores=False, context_overflow="knorm")
+    llm = make(llama_d32, kv_cache_dtype="int4", kv_scores=False)
+    with pytest.raises(RequestError, match="int4 keys"):
+        llm.generate([random_prompt(70, VOCAB, seed=4)], greedy(4, policy="knorm", kv_budget=32))
+    with pytest.raises(ValueError, match="importance scores"):
+        make(llama_d32, kv_cache_dtype="int4")  # kv_scores
 
 
 def test_sliding_window_layers_keep_their_window(tmp_path):

@@ -22,7 +22,7 @@ BS = 16
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 # A few blocks of the tiny model (3 to 7), fewer than four conversations of 5 blocks take.
 HOST_GIB = {"float32": 6e-5, "bfloat16": 3e-5, "float16": 3e-5, "int8": 1.6e-5,
-            "fp8_e4m3": 1.6e-5, "int4": 9e-6}  # fmt: skip
+            "fp8_e4m3": 1.6e-5, "int8/int4": 1.3e-5}  # fmt: skip
 DISK_GIB = 0.01
 
 

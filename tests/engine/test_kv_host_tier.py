@@ -43,7 +43,7 @@ def conversation_rounds(llm: LLM) -> list:
     return outs
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8", "int8/int4"])
 def test_returning_conversations_load_from_the_host_tier_with_the_same_tokens(
     tiny_llama_dir, kv_dtype
 ):
