@@ -558,7 +558,7 @@ class CpuBackend(TorchBackend):
         return _reference_decode(q, kv_cache, meta, scale, scores)
 
     def recent_decode(self, q, kv_cache, meta, recent_cache, recent_meta, scale):
-        if not all(self._cpu.takes_cache(c) for c in (*kv_cache, *recent_cache)):
+        if not all(self._cpu.reads_cache(c) for c in (*kv_cache, *recent_cache)):
             return super().recent_decode(q, kv_cache, meta, recent_cache, recent_meta, scale)
         recent = (*recent_cache, recent_meta.block_tables, recent_meta.window)
         return self._cpu.decode_attention(

@@ -337,15 +337,20 @@ def takes_scores(scores: torch.Tensor) -> bool:
 
 
 def takes_cache(cache: torch.Tensor) -> bool:
-    """Whether the kernels read and write this cache: on the CPU, in a ``kv_quant`` format but
-    int4 keys (per channel), its rows dense and whole."""
+    """Whether the kernels read and write this cache: ``reads_cache``, and not int4 keys, which
+    are written by their groups (``kv_quant.quantize_channels``) and read by paged decode only."""
+    return reads_cache(cache) and not per_channel(cache)
+
+
+def reads_cache(cache: torch.Tensor) -> bool:
+    """Whether paged decode reads this cache: on the CPU, in a ``kv_quant`` format, its rows
+    dense and whole."""
     return (
         cache.device.type == "cpu"
         and cache.dtype in KV_DTYPES.values()
         and cache.dim() == 4
         and cache.stride(-1) == 1
         and value_dim(cache) > 0
-        and not per_channel(cache)
     )
 
 

@@ -14,11 +14,17 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import kv_quant
+from kernels import kv_quant, reference
 from kernels.backend import AttentionMetadata, get_backend
 from models.kv_spec import row_bytes
 
 G = kv_quant.CHANNEL_GROUP
+
+
+def _isas() -> list[str]:
+    from kernels import cpu
+
+    return cpu.isas()
 
 
 def keys(*shape, seed=0) -> torch.Tensor:
@@ -176,3 +182,39 @@ def test_attention_over_steps_reads_older_keys_by_their_groups(backend, recent, 
         want = torch.stack([expected(i, t) for i, r in enumerate(rows) for t in r])
         torch.testing.assert_close(out, want, atol=2e-4, rtol=1e-4)
         pos = [p + n for p, n in zip(pos, lens)]
+
+
+def _blocks(n: int, bs: int, h: int, d: int, fmt: str, seed: int) -> torch.Tensor:
+    """n blocks of random rows in ``fmt``: int4 keys by their groups."""
+    x = keys(n, bs, h, d, seed=seed)
+    if fmt == "int4 keys":
+        return kv_quant.quantize_channels(x.unflatten(1, (-1, G))).flatten(1, 2)
+    return kv_quant.quantize(x, kv_quant.KV_DTYPES[fmt])
+
+
+@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize("value", ["int4", "int8"])
+@pytest.mark.parametrize(
+    "lens,hq,window,recent,bs",
+    [([40, 200, 97], 4, 0, 32, 32), ([300], 8, 0, 45, 64), ([150, 70], 4, 100, 32, 32)],
+)
+def test_cpu_paged_decode_reads_int4_keys_by_their_groups(isa, value, lens, hq, window, recent, bs):
+    """The C++ kernels' paged decode (every build this CPU runs; one long sequence cut in
+    parts) against the reference, older keys per channel beside recent rows in float16."""
+    from kernels import cpu
+
+    h, d = 2, 64
+    width = -(-window // bs) + 1 if window else -(-max(lens) // bs)
+    ring = -(-recent // bs) + 1
+    k_cache = _blocks(len(lens) * width, bs, h, d, "int4 keys", 1)
+    v_cache = _blocks(len(lens) * width, bs, h, d, value, 2)
+    rk, rv = (_blocks(len(lens) * ring, bs, h, d, "float16", s) for s in (3, 4))
+    tables = torch.randperm(len(lens) * width).view(len(lens), width).int()
+    rtables = torch.randperm(len(lens) * ring).view(len(lens), ring).int()
+    seq_lens = torch.tensor(lens).int()
+    q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(5))
+    ours = cpu.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, window, isa=isa,
+                                recent=(rk, rv, rtables, recent))  # fmt: skip
+    ref = reference.recent_decode_attention(q, k_cache, v_cache, tables, seq_lens, rk, rv,
+                                            rtables, recent, 0.125, window)  # fmt: skip
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)

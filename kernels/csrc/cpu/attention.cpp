@@ -64,6 +64,9 @@ void PagedAttention::unit_in(int64_t u, AttentionScratch& s) const {
     for (int64_t j = 0; j < m; ++j) {
       s.krows[pos - lo + j] = kr + j * kc.s1;
       s.vrows[pos - lo + j] = vr + j * vc.s1;
+      // A block holds whole groups: the group's first row is in the same block.
+      if constexpr (FK == KvFormat::I4C)
+        if (old) s.kgroups[pos - lo + j] = kr + (j - (pos + j) % KV_CHANNEL_GROUP) * kc.s1;
     }
     pos += m;
   }
@@ -106,7 +109,9 @@ void PagedAttention::attend_rows(int64_t a, int64_t end, const CacheRows& k, con
       for (int64_t i = 0; i < m; ++i) {
         s.ktile[i] = s.krows[t0 + i] + h * k.s2;
         s.vtile[i] = s.vrows[t0 + i] + h * v.s2;
+        if constexpr (FK == KvFormat::I4C) s.kgtile[i] = s.kgroups[t0 + i] + h * k.s2;
       }
+      if constexpr (FK == KvFormat::I4C) s.kstride = k.s1;
       attend_tile<FK, FV>(s.queries.data() + h * G, G, s.ktile.data(), s.vtile.data(), t0, m,
                           shape, s);
     }

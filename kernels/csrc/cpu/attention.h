@@ -99,6 +99,11 @@ struct AttentionScratch {
   std::vector<const uint8_t*> krows, vrows;  // the unit's rows (decode: of its first head)
   std::vector<const uint8_t*> rkrows, rvrows;  // prefill: the same positions' recent rows
   std::vector<const uint8_t*> ktile, vtile;  // a tile's rows of one head
+  // I4C keys: each row's group's first row (decode: of the first head), those of the tile's
+  // rows of one head, the rows' stride, and the codes of the group last read.
+  std::vector<const uint8_t*> kgroups, kgtile;
+  int64_t kstride = 0;
+  ChannelCodes codes;
   std::vector<const float*> floats;          // a tile's rows as floats
   std::vector<float> tile, scores, rotated;  // converted rows, scores per query, rotated queries
   std::unique_ptr<float[]> kept;             // counted queries' weights (QueryState)

@@ -42,6 +42,8 @@ inline void prepare(AttentionScratch& s, int64_t n, int64_t queries, const TileS
   s.vrows.resize(n);
   s.ktile.resize(t.tile);
   s.vtile.resize(t.tile);
+  s.kgroups.resize(n);
+  s.kgtile.resize(t.tile);
   s.floats.resize(t.tile);
   s.tile.resize(t.tile * std::max(t.Dk, t.Dv));
   s.scores.resize(queries * t.tile);
@@ -81,6 +83,11 @@ const float* const* tile_floats(const uint8_t* const* rows, int64_t m, int64_t D
   for (int64_t i = 0; i < m; ++i) {
     if constexpr (F == KvFormat::F32) {
       s.floats[i] = reinterpret_cast<const float*>(rows[i]);
+    } else if constexpr (F == KvFormat::I4C) {
+      float* t = s.tile.data() + i * D;
+      read_channel_codes(s.kgtile[i], s.kstride, D, s.codes);
+      load_channel_row(rows[i], s.codes, D, t);
+      s.floats[i] = t;
     } else {
       float* t = s.tile.data() + i * D;
       load_row<F>(rows[i], D, t);

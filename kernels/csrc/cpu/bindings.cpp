@@ -116,6 +116,7 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache,
 // its format; -1 skipped.
 void write_cache_op(at::Tensor cache, const at::Tensor& rows, const at::Tensor& slots) {
   const CacheRows c = rows_of(cache);
+  TORCH_CHECK(c.format != KvFormat::I4C, "int4 keys are written by their groups (kv_quant)");
   TORCH_CHECK(cache.stride(2) == cache.size(3), "cache slots must be dense");
   auto r = rows.to(at::kFloat).contiguous();
   auto sl = slots.to(at::kLong).contiguous();

@@ -2,6 +2,7 @@
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -82,6 +83,23 @@ void store_int4(const float* x, int64_t D, uint8_t* row) {
 
 }  // namespace
 
+void read_channel_codes(const uint8_t* first, int64_t stride, int64_t D, ChannelCodes& codes) {
+  if (codes.group == first && static_cast<int64_t>(codes.s.size()) == D) return;
+  // The group's codes lie end to end over its rows' tails.
+  const int64_t tail = kv_row_bytes(KvFormat::I4C, D) - D / 2;
+  const auto byte = [&](int64_t i) -> uint32_t { return first[i / tail * stride + D / 2 + i % tail]; };
+  const auto half = [&](int64_t i) { return f16_to_float(static_cast<uint16_t>(byte(i) | byte(i + 1) << 8)); };
+  const float lo0 = half(0), dlo = half(2), ds = half(4);
+  codes.s.resize(D);
+  codes.lo8.resize(D);
+  for (int64_t c = 0; c < D; ++c) {
+    const float s = static_cast<float>(byte(KV_CHANNEL_GRID_BYTES + D + c)) * ds;
+    codes.s[c] = s;
+    codes.lo8[c] = lo0 + static_cast<float>(byte(KV_CHANNEL_GRID_BYTES + c)) * dlo + 8.f * s;
+  }
+  codes.group = first;
+}
+
 void hadamard(float* x, int64_t D) {
   const int64_t n = hadamard_block(D);
   for (int64_t b = 0; b < D; b += n) walsh_hadamard(x + b, n);
@@ -116,6 +134,7 @@ void store_row(KvFormat f, const float* x, int64_t D, uint8_t* row) {
       });
       return;
     case KvFormat::I4: store_int4(x, D, row); return;
+    case KvFormat::I4C: TORCH_CHECK(false, "int4 keys are written by their groups (kv_quant)");
   }
 }
 

@@ -4,8 +4,12 @@
 //   I8, FP8         a float32 scale, then D int8 (x = scale q) or float8 e4m3 (x = scale e4m3)
 //   I4              per group of 32 values a float16 scale d, then 16 bytes of nibbles (byte j:
 //                   q_j low, q_{j+16} high), x = d (q - 8)
-// the quantized ones (I8, FP8, I4) of the row first rotated by hadamard. A row's prefix of whole
-// groups is itself a row of its first values (MLA's values).
+//   I4C             keys only: per 32 values 16 bytes of nibbles as I4's, then a share of the
+//                   codes its group of 32 tokens keeps per channel (kv_quant.quantize_channels),
+//                   x = lo_c + s_c q: a row one byte longer than I4's, read by groups
+// the quantized ones (I8, FP8, I4) of the row first rotated by hadamard (not I4C: per channel,
+// the outlier channels keep their own scales). A row's prefix of whole groups is itself a row
+// of its first values (MLA's values).
 //
 // Attention reads rows through load_row, a tile of them at a time: every query head of the tile
 // then shares one conversion. A quantized row's values stay rotated; attention rotates the
@@ -15,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "vec.h"
 
@@ -22,10 +27,12 @@ namespace kvserve {
 
 // Each a cache tensor's dtype (kernels.kv_quant.KV_DTYPES): float32, float16, bfloat16, int8,
 // float8_e4m3fn, uint8.
-enum class KvFormat : int64_t { F32, F16, BF16, I8, FP8, I4 };
+enum class KvFormat : int64_t { F32, F16, BF16, I8, FP8, I4, I4C };
 
 constexpr int64_t KV_SCALE_BYTES = 4;                  // I8, FP8: the row's float32 scale
 constexpr int64_t KV_GROUP = 32, KV_GROUP_BYTES = 18;  // I4: values and bytes per scale
+constexpr int64_t KV_CHANNEL_GROUP = 32;               // I4C: tokens per channel's codes
+constexpr int64_t KV_CHANNEL_GRID_BYTES = 6;           // I4C: a group's float16 lo0, dlo, ds
 
 inline int64_t kv_row_bytes(KvFormat f, int64_t D) {
   switch (f) {
@@ -35,6 +42,7 @@ inline int64_t kv_row_bytes(KvFormat f, int64_t D) {
     case KvFormat::I8:
     case KvFormat::FP8: return KV_SCALE_BYTES + D;
     case KvFormat::I4: return D / KV_GROUP * KV_GROUP_BYTES;
+    case KvFormat::I4C: return D / KV_GROUP * KV_GROUP_BYTES + 1;
   }
   return 0;
 }
@@ -48,7 +56,8 @@ inline int64_t kv_values(KvFormat f, int64_t bytes) {
     case KvFormat::BF16: D = bytes / 2; break;
     case KvFormat::I8:
     case KvFormat::FP8: D = bytes - KV_SCALE_BYTES; break;
-    case KvFormat::I4: D = bytes / KV_GROUP_BYTES * KV_GROUP; break;
+    case KvFormat::I4:
+    case KvFormat::I4C: D = bytes / KV_GROUP_BYTES * KV_GROUP; break;
   }
   return D > 0 && kv_row_bytes(f, D) == bytes ? D : -1;
 }
@@ -135,13 +144,39 @@ inline void with_format(KvFormat f, Fn&& fn) {
     case KvFormat::I8: return fn(KvFormatTag<KvFormat::I8>{});
     case KvFormat::FP8: return fn(KvFormatTag<KvFormat::FP8>{});
     case KvFormat::I4: return fn(KvFormatTag<KvFormat::I4>{});
+    case KvFormat::I4C: return;  // keys only: with_formats pairs them
   }
 }
 
 // Whether keys in kf and values in vf are a pair the kernels read: one format, or two quantized
 // ones (models.kv_spec.kv_pair).
 constexpr bool kv_pair_read(KvFormat kf, KvFormat vf) {
-  return kf == vf || (stored_rotated(kf) && stored_rotated(vf));
+  return (kf == vf && kf != KvFormat::I4C) ||
+         ((stored_rotated(kf) || kf == KvFormat::I4C) && stored_rotated(vf));
+}
+
+// Channel c of a group of I4C keys: x = lo[c] + s[c] q, kept as lo8 = lo + 8 s beside s so
+// that a row reads as fma(s, q - 8, lo8), from the nibbles as I4 loads them.
+struct ChannelCodes {
+  const uint8_t* group = nullptr;  // the group's first row these are of
+  std::vector<float> s, lo8;
+};
+
+// codes <- those of the group whose first row (of one head) is `first`, its rows `stride` bytes
+// apart, D values each; a no-op when they are already the group's.
+void read_channel_codes(const uint8_t* first, int64_t stride, int64_t D, ChannelCodes& codes);
+
+// out [D] <- the I4C row `row` of the group whose codes are `codes`.
+inline void load_channel_row(const uint8_t* row, const ChannelCodes& codes, int64_t D,
+                             float* out) {
+  for (int64_t d = 0; d < D; d += KV_GROUP, row += KV_GROUP / 2) {
+    vec8 q[4];
+    load32_nibbles_minus8(row, q);
+    for (int j = 0; j < 4; ++j) {
+      const int64_t c = d + 8 * j;
+      store8(out + c, fma8(load8(codes.s.data() + c), q[j], load8(codes.lo8.data() + c)));
+    }
+  }
 }
 
 // fn(KvFormatTag<kf>{}, KvFormatTag<vf>{}) for a pair kv_pair_read takes (callers check).
@@ -160,6 +195,7 @@ inline void with_formats(KvFormat kf, KvFormat vf, Fn&& fn) {
     case KvFormat::I8: return value(KvFormatTag<KvFormat::I8>{});
     case KvFormat::FP8: return value(KvFormatTag<KvFormat::FP8>{});
     case KvFormat::I4: return value(KvFormatTag<KvFormat::I4>{});
+    case KvFormat::I4C: return value(KvFormatTag<KvFormat::I4C>{});
     default: return;
   }
 }

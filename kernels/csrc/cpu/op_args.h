@@ -27,7 +27,8 @@ inline KvFormat kv_format_of(const at::Tensor& cache) {
     case at::kBFloat16: return KvFormat::BF16;
     case at::kChar: return KvFormat::I8;
     case at::kFloat8_e4m3fn: return KvFormat::FP8;
-    case at::kByte: return KvFormat::I4;
+    // int4 keys per channel (kv_quant.per_channel): a row one byte longer than per token
+    case at::kByte: return cache.size(3) % KV_GROUP_BYTES == 1 ? KvFormat::I4C : KvFormat::I4;
     default:
       TORCH_CHECK(false, "a KV cache must be float32, float16, bfloat16, int8, float8_e4m3fn or ",
                   "uint8 (int4), not ", cache.scalar_type());
