@@ -635,7 +635,11 @@ class CpuBackend(TorchBackend):
         caches, metas = zip(*(batch.layer(layer.layer_id) for layer in layers))
         recents = [batch.recent(layer.layer_id) for layer in layers]
         held = [c for kv in caches for c in kv] + [c for r in recents if r for c in r[0]]
-        if not all(self._cpu.takes_cache(c) for c in held):
+        # int4 keys: a decode step's layers write their groups; prefill runs in torch.
+        takes = (
+            self._cpu.reads_cache if x.shape[0] == metas[0].num_decodes else self._cpu.takes_cache
+        )
+        if not all(takes(c) for c in held):
             return None
         kept = [batch.layer_scores(layer.layer_id) for layer in layers]
         added = [s if m.score_from is not None else None for s, m in zip(kept, metas)]

@@ -79,22 +79,28 @@ def test_logits_are_transformers_reading_older_tokens_quantized_and_recent_ones_
     assert_pool_whole(llm)
 
 
-@pytest.mark.parametrize("model,kv", [("llama", "int8/int4"), ("gemma3", "fp8_e4m3/int4")])
+@pytest.mark.parametrize(
+    "model,kv", [("llama", "int8/int4"), ("gemma3", "fp8_e4m3/int4"), ("llama", "int4")]
+)
 def test_the_fused_cpu_layers_read_the_window_as_the_torch_backend(models, model, kv, monkeypatch):
     """Decodes beside prefill chunks (a budget of 16 tokens a step), through the C++ decoder
-    layers, which write and read the recent rows themselves."""
+    layers, which write and read the recent rows themselves (int4 keys: in decode steps, which
+    write the groups their tokens complete)."""
     from kernels import cpu
 
     calls = []
     fused = cpu.decoder_layers
     monkeypatch.setattr(cpu, "decoder_layers", lambda *a, **k: calls.append(1) or fused(*a, **k))
     prompts = [random_prompt(n, VOCAB, seed=n) for n in (3, 30, 45)]
-    outs = {}
+    outs, keys = {}, {}
     for backend in ("cpu", "torch"):
         llm = make(models / model, kv, attention_backend=backend, max_num_batched_tokens=16)
         outs[backend] = tokens(llm.generate(prompts, greedy(30)))
+        keys[backend] = llm.engine.runner.kv_caches[0][0]
         assert_pool_whole(llm)
     assert calls and outs["cpu"] == outs["torch"]
+    if kv == "int4":  # the groups decode steps complete, written by the C++ layers byte for byte
+        assert torch.equal(keys["cpu"], keys["torch"])
 
 
 def test_a_window_past_the_context_is_the_float_cache(models):

@@ -87,6 +87,8 @@ struct DecoderLayer {
                 "the layer's weights do not have the shapes of its heads and hidden size");
     for (int64_t r = 0; r < T; ++r)
       TORCH_CHECK(slot[r] < k_cache.slots(), "slot ", slot[r], " is outside the cache");
+    TORCH_CHECK(k_cache.format != KvFormat::I4C || (T == nd && recent.tokens > 0),
+                "int4 keys are read by decode steps only, beside their recent rows");
     if (recent.tokens == 0) return;
     TORCH_CHECK(k_cache.format != KvFormat::F32, "recent rows go beside a quantized cache");
     TORCH_CHECK(recent_slot != nullptr && recent.v.dim == D && recent.k.heads == Hkv &&
@@ -202,6 +204,14 @@ struct DecoderLayer {
           store_row(recent.v.format, row + nkv, D,
                     recent.v.slot(recent_slot[r]) + h * recent.v.s2);
         }
+        // int4 keys: a token that completes its group (a block holds whole groups, so its slot
+        // does too) writes the group from the recent rows, which now hold all of it.
+        if (k_cache.format == KvFormat::I4C && slot[r] % KV_CHANNEL_GROUP == KV_CHANNEL_GROUP - 1)
+          store_channel_group(recent.k.format,
+                              recent.k.slot(recent_slot[r] - KV_CHANNEL_GROUP + 1) + h * recent.k.s2,
+                              recent.k.s1, D,
+                              k_cache.slot(slot[r] - KV_CHANNEL_GROUP + 1) + h * k_cache.s2,
+                              k_cache.s1);
       } else if (k_cache.format != KvFormat::F32) {
         store_row(k_cache.format, row, D, fresh.k + r * fresh.k_row + h * fresh.k_head);
         store_row(v_cache.format, row + nkv, D, fresh.v + r * fresh.v_row + h * fresh.v_head);
@@ -216,7 +226,8 @@ struct DecoderLayer {
 
   // Row r's key of KV head `head` (its value nkv floats further) to its cache slot.
   void store_kv(int64_t r, int64_t head, const float* k_row) const {
-    store_row(k_cache.format, k_row, D, k_cache.slot(slot[r]) + head * k_cache.s2);
+    if (k_cache.format != KvFormat::I4C)  // int4 keys: by their groups, above
+      store_row(k_cache.format, k_row, D, k_cache.slot(slot[r]) + head * k_cache.s2);
     store_row(v_cache.format, k_row + nkv, D, v_cache.slot(slot[r]) + head * v_cache.s2);
   }
 

@@ -83,6 +83,87 @@ void store_int4(const float* x, int64_t D, uint8_t* row) {
 
 }  // namespace
 
+namespace {
+
+// h as float16 bits, moved one step toward +inf (`up`) or -inf.
+uint16_t half_step(uint16_t h, bool up) {
+  const bool negative = h & 0x8000;
+  if ((h & 0x7FFF) == 0) return up ? 0x0001 : 0x8001;  // from zero: the smallest subnormal
+  return negative == up ? h - 1 : h + 1;
+}
+
+// x rounded to float16 toward +inf (`up`) or -inf, as a float (kv_quant._half).
+float half_outward(float x, bool up) {
+  uint16_t h = c10::Half(x).x;
+  const float f = f16_to_float(h);
+  if (up ? f < x : f > x) h = half_step(h, up);
+  return f16_to_float(h);
+}
+
+}  // namespace
+
+void store_channel_group(KvFormat from, const uint8_t* in, int64_t in_stride, int64_t D,
+                         uint8_t* out, int64_t out_stride) {
+  constexpr int64_t G = KV_CHANNEL_GROUP;
+  thread_local std::vector<float> x, lo, hi, m, c;
+  x.resize(G * D);
+  lo.assign(D, INFINITY);
+  hi.assign(D, -INFINITY);
+  m.resize(D);
+  c.resize(D);
+  with_format(from, [&](auto f) {
+    for (int64_t t = 0; t < G; ++t) load_row<decltype(f)::value>(in + t * in_stride, D, &x[t * D]);
+  });
+  for (int64_t t = 0; t < G; ++t)
+    for (int64_t d = 0; d < D; ++d) {
+      lo[d] = std::min(lo[d], x[t * D + d]);
+      hi[d] = std::max(hi[d], x[t * D + d]);
+    }
+  const float lo0 = half_outward(*std::min_element(lo.begin(), lo.end()), false);
+  float dlo = half_outward((*std::max_element(lo.begin(), lo.end()) - lo0) / 255.f, true);
+  if (!(dlo > 0.f)) dlo = 1.f;
+  float top = -INFINITY;
+  for (int64_t d = 0; d < D; ++d) {
+    m[d] = std::clamp(std::floor((lo[d] - lo0) / dlo), 0.f, 255.f);
+    c[d] = (hi[d] - rounded(lo0 + rounded(m[d] * dlo))) / 15.f;  // the scale, coded below
+    top = std::max(top, c[d]);
+  }
+  float ds = half_outward(top / 255.f, true);
+  if (!(ds > 0.f)) ds = 1.f;
+  for (int64_t d = 0; d < D; ++d) c[d] = std::clamp(std::ceil(c[d] / ds), 0.f, 255.f);
+  // The codes: lo0, dlo, ds as float16, the minimums' codes, the scales', spread over the
+  // rows' tails after their nibbles.
+  const int64_t tail = kv_row_bytes(KvFormat::I4C, D) - D / 2;
+  const auto code = [&](int64_t i, uint8_t b) { out[i / tail * out_stride + D / 2 + i % tail] = b; };
+  for (int64_t i = 0; i < G * tail; ++i) code(i, 0);
+  const float ends[3] = {lo0, dlo, ds};
+  for (int e = 0; e < 3; ++e) {
+    const uint16_t h = c10::Half(ends[e]).x;
+    code(2 * e, h & 0xFF), code(2 * e + 1, h >> 8);
+  }
+  for (int64_t d = 0; d < D; ++d) {
+    code(KV_CHANNEL_GRID_BYTES + d, static_cast<uint8_t>(m[d]));
+    code(KV_CHANNEL_GRID_BYTES + D + d, static_cast<uint8_t>(c[d]));
+  }
+  for (int64_t d = 0; d < D; ++d) {
+    const float low = rounded(lo0 + rounded(m[d] * dlo)), s = c[d] * ds;
+    lo[d] = low, hi[d] = s > 0.f ? 1.f / s : 0.f;  // now each channel's minimum and 1 / scale
+  }
+  for (int64_t t = 0; t < G; ++t) {
+    uint8_t* row = out + t * out_stride;
+    for (int64_t g = 0; g < D; g += KV_GROUP) {
+      uint8_t q[KV_GROUP];
+      for (int64_t j = 0; j < KV_GROUP; ++j) {
+        const int64_t d = g + j;
+        q[j] = static_cast<uint8_t>(
+            std::clamp(std::nearbyint(rounded(x[t * D + d] - lo[d]) * hi[d]), 0.f, 15.f));
+      }
+      for (int64_t j = 0; j < KV_GROUP / 2; ++j)
+        row[g / 2 + j] = static_cast<uint8_t>(q[j] | (q[j + KV_GROUP / 2] << 4));
+    }
+  }
+}
+
 void read_channel_codes(const uint8_t* first, int64_t stride, int64_t D, ChannelCodes& codes) {
   if (codes.group == first && static_cast<int64_t>(codes.s.size()) == D) return;
   // The group's codes lie end to end over its rows' tails.

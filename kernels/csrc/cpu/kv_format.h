@@ -166,6 +166,12 @@ struct ChannelCodes {
 // apart, D values each; a no-op when they are already the group's.
 void read_channel_codes(const uint8_t* first, int64_t stride, int64_t D, ChannelCodes& codes);
 
+// The 32 rows of a group of I4C keys (of one head), `out` its first and `out_stride` bytes apart
+// <- the keys of those tokens, rows `in_stride` bytes apart from `in` in format `from`, as
+// kv_quant.quantize_channels stores them (operation for operation, so byte for byte).
+void store_channel_group(KvFormat from, const uint8_t* in, int64_t in_stride, int64_t D,
+                         uint8_t* out, int64_t out_stride);
+
 // out [D] <- the I4C row `row` of the group whose codes are `codes`.
 inline void load_channel_row(const uint8_t* row, const ChannelCodes& codes, int64_t D,
                              float* out) {

@@ -13,7 +13,8 @@ PrefillAttention::PrefillAttention(const CacheView& cache_, const Queries& q_,
     : cache(cache_), q(q_), fresh(fresh_), prefix(meta.prefix_lens), cu(meta.cu_seqlens_q),
       sink(sink_) {
   // A chunk's int4 keys are quantized by their groups in torch (kv_quant), not here.
-  TORCH_CHECK(cache.k.format != KvFormat::I4C, "prefill does not read int4 keys per channel");
+  TORCH_CHECK(cache.k.format != KvFormat::I4C || meta.B == meta.num_decodes,
+              "prefill does not read int4 keys per channel");
   blocks_of.assign(meta.num_decodes + 1, 0);
   for (int64_t b = meta.num_decodes; b < meta.B; ++b) {
     TORCH_CHECK(prefix[b] >= 0 && (cache.window > 0 || prefix[b] <= cache.W * cache.k.bs),
