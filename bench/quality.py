@@ -65,6 +65,7 @@ from engine.core.context_overflow import (
 )
 from engine.core.outputs import RequestOutput
 from models.fetch import cache_root
+from models.kv_spec import kv_pair
 
 DEFAULT_CHUNK = 64
 SMOOTHING = 64  # tokens per point of the plotted curve (a moving average of the NLL)
@@ -589,12 +590,17 @@ def score_kv_dtypes(
     show_progress: bool = False,
 ) -> list[QualityResult]:
     """``score`` under each KV cache dtype (``--kv-cache-dtype`` values), all against one
-    float32-KV full-context reference: dtype by dtype, each its policies."""
+    float32-KV full-context reference: dtype by dtype, each its policies (int4 keys: but
+    eviction by importance, which they refuse)."""
     reference = reference_run(base, tokens, show_progress=show_progress)
     results = []
     for kv in kv_dtypes:
         args = dataclasses.replace(base, kv_cache_dtype=kv)
-        results += score(args, tokens, policies, limit, chunk, show_progress, reference)
+        taken = policies
+        if kv != "auto" and kv_pair(kv)[0] == "int4":
+            moves = {p for p in policies if p.overflow and p.overflow.policy in IMPORTANCE_POLICIES}
+            taken = [p for p in policies if p not in moves]
+        results += score(args, tokens, taken, limit, chunk, show_progress, reference)
     return results
 
 

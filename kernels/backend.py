@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import reference
-from kernels.kv_quant import per_channel
+from kernels.kv_quant import CHANNEL_GROUP, per_channel
 from kernels.launch import Launch, Launcher
 from kernels.rotary import RopeLayout, delta_cos_sin, rotate_reference
 from kernels.weights import DENSE_TYPES, DecoderLayerWeights, Weight
@@ -480,6 +480,19 @@ class TorchBackend(AttentionBackend):
         rotate_reference(cache, blocks, delta, layout)
 
 
+def _whole_groups(metas, recents) -> bool:
+    """Whether the C++ layers take a step over int4 keys (``kernels.kv_quant``): one whose
+    prefill chunks read quantized keys of groups cached whole before them only, as decodes and
+    short chunks (a prefix hit's last token, a speculative verify) do; a longer chunk reads
+    the groups it completes, quantized in torch."""
+    recent = next((r for r in recents if r is not None), None)
+    if recent is None:
+        return False
+    meta, nd, window = metas[0], metas[0].num_decodes, recent[1].window
+    rows = meta.cu_seqlens_q[nd + 1 :] - meta.cu_seqlens_q[nd:-1]
+    return bool((rows <= window - meta.prefix_lens[nd:] % CHANNEL_GROUP).all())
+
+
 def sdpa_attend(q, k, v, scale, mask):
     """``reference._attend`` by torch's fused attention (no score matrix per head group
     materialized; about 2x at a 128-token prompt on CPU)."""
@@ -635,10 +648,7 @@ class CpuBackend(TorchBackend):
         caches, metas = zip(*(batch.layer(layer.layer_id) for layer in layers))
         recents = [batch.recent(layer.layer_id) for layer in layers]
         held = [c for kv in caches for c in kv] + [c for r in recents if r for c in r[0]]
-        # int4 keys: a decode step's layers write their groups; prefill runs in torch.
-        takes = (
-            self._cpu.reads_cache if x.shape[0] == metas[0].num_decodes else self._cpu.takes_cache
-        )
+        takes = self._cpu.reads_cache if _whole_groups(metas, recents) else self._cpu.takes_cache
         if not all(takes(c) for c in held):
             return None
         kept = [batch.layer_scores(layer.layer_id) for layer in layers]

@@ -386,7 +386,7 @@ def test_a_kv_dtype_sweep_puts_every_dtype_and_policy_in_one_table(worded_llama_
     code = tune.main([
         "--model", str(worded_llama_dir), "--objective", "quality", "--text", str(text),
         "--max-model-len", "64", "--text-tokens", "128", "--chunk", "16", "--block-size", "8",
-        "--n-keep", "4", "--sweep", "kv_cache_dtype=float32,int8,int8/int4", "--out", str(out),
+        "--n-keep", "4", "--sweep", "kv_cache_dtype=float32,int8,int8/int4,int4", "--out", str(out),
     ])  # fmt: skip
     assert code == 0
     lines = (out / "quality.md").read_text().splitlines()
@@ -400,12 +400,15 @@ def test_a_kv_dtype_sweep_puts_every_dtype_and_policy_in_one_table(worded_llama_
         table[cells[0], cells[1]] = dict(zip(columns, cells))
     policies = ["full context", "truncate n_keep=4", "shift n_keep=4", "sink n_keep=4",
                 "snapkv", "h2o", "knorm"]  # fmt: skip
-    # int8/int4: int4 keys keep no importance scores for snapkv and h2o
+    # int4 keys refuse eviction by importance: their rows leave those policies out
     kvs = ("float32", "int8", "int8/int4")
-    assert list(table) == [(kv, p) for kv in kvs for p in policies]
+    assert list(table) == [(kv, p) for kv in kvs for p in policies] + [
+        ("int4", p) for p in policies[:4]
+    ]
     assert table["float32", "full context"]["mean KLD"] == "0"
     assert table["float32", "full context"]["top-1 %"] == "100.00"
     klds = [float(table[kv, "full context"]["mean KLD"]) for kv in kvs[1:]]
+    assert float(table["int4", "full context"]["mean KLD"]) > 0
     assert 0 < klds[0] < klds[1]
     data = json.loads((out / "quality.json").read_text())
     assert [r["kv_cache_dtype"] for r in data["results"]] == [kv for kv, _ in table]

@@ -87,8 +87,8 @@ struct DecoderLayer {
                 "the layer's weights do not have the shapes of its heads and hidden size");
     for (int64_t r = 0; r < T; ++r)
       TORCH_CHECK(slot[r] < k_cache.slots(), "slot ", slot[r], " is outside the cache");
-    TORCH_CHECK(k_cache.format != KvFormat::I4C || (T == nd && recent.tokens > 0),
-                "int4 keys are read by decode steps only, beside their recent rows");
+    TORCH_CHECK(k_cache.format != KvFormat::I4C || recent.tokens > 0,
+                "int4 keys go with their recent rows");
     if (recent.tokens == 0) return;
     TORCH_CHECK(k_cache.format != KvFormat::F32, "recent rows go beside a quantized cache");
     TORCH_CHECK(recent_slot != nullptr && recent.v.dim == D && recent.k.heads == Hkv &&
@@ -137,6 +137,10 @@ struct DecoderLayer {
     if (paged.rows_to_merge() > 0 || T > nd) {
       finish_attention(p.team());
 #pragma omp barrier
+      if (k_cache.format == KvFormat::I4C && T > nd) {
+        write_chunk_groups(p.team());
+#pragma omp barrier
+      }
     }
     if (scored) add_scores(p.team());  // no barrier after: nothing in the layers reads them
     p.products.multiply(w.o, sc.attn, sc.h, p.next(O), nothing);
@@ -204,16 +208,11 @@ struct DecoderLayer {
           store_row(recent.v.format, row + nkv, D,
                     recent.v.slot(recent_slot[r]) + h * recent.v.s2);
         }
-        // int4 keys: a token that completes its group (a block holds whole groups, so its slot
-        // does too) writes the group from the recent rows, which now hold all of it.
-        if (k_cache.format == KvFormat::I4C && slot[r] % KV_CHANNEL_GROUP == KV_CHANNEL_GROUP - 1)
-          store_channel_group(recent.k.format,
-                              recent.k.slot(recent_slot[r] - KV_CHANNEL_GROUP + 1) + h * recent.k.s2,
-                              recent.k.s1, D,
-                              k_cache.slot(slot[r] - KV_CHANNEL_GROUP + 1) + h * k_cache.s2,
-                              k_cache.s1);
+        if (k_cache.format == KvFormat::I4C) write_group(r, h);
       } else if (k_cache.format != KvFormat::F32) {
-        store_row(k_cache.format, row, D, fresh.k + r * fresh.k_row + h * fresh.k_head);
+        // int4 keys: by their groups (write_chunk_groups); a chunk reads only whole cached ones
+        if (k_cache.format != KvFormat::I4C)
+          store_row(k_cache.format, row, D, fresh.k + r * fresh.k_row + h * fresh.k_head);
         store_row(v_cache.format, row + nkv, D, fresh.v + r * fresh.v_row + h * fresh.v_head);
         if (recent.tokens > 0) {
           const int64_t at = r * fresh.r_row + h * fresh.r_head;
@@ -256,11 +255,28 @@ struct DecoderLayer {
         std::memcpy(recent.v.slot(recent_slot[r]) + head * recent.v.s2, fresh.rv + at, R);
       }
       if (slot[r] < 0) continue;
-      std::memcpy(k_cache.slot(slot[r]) + head * k_cache.s2,
-                  fresh.k + r * fresh.k_row + head * fresh.k_head, Rk);
+      if (k_cache.format != KvFormat::I4C)
+        std::memcpy(k_cache.slot(slot[r]) + head * k_cache.s2,
+                    fresh.k + r * fresh.k_row + head * fresh.k_head, Rk);
       std::memcpy(v_cache.slot(slot[r]) + head * v_cache.s2,
                   fresh.v + r * fresh.v_row + head * fresh.v_head, Rv);
     }
+  }
+
+  // int4 keys: a token that completes its group (a block holds whole groups, so its slot does
+  // too) writes the group, head h's, from the recent rows, which hold all of it by then.
+  void write_group(int64_t r, int64_t h) const {
+    constexpr int64_t last = KV_CHANNEL_GROUP - 1;
+    if (slot[r] < 0 || slot[r] % KV_CHANNEL_GROUP != last) return;
+    store_channel_group(recent.k.format, recent.k.slot(recent_slot[r] - last) + h * recent.k.s2,
+                        recent.k.s1, D, k_cache.slot(slot[r] - last) + h * k_cache.s2,
+                        k_cache.s1);
+  }
+
+  // The groups of int4 keys the prefill chunks complete, once their recent rows are written.
+  void write_chunk_groups(Team team) const {
+    auto [i0, i1] = team.share((T - nd) * Hkv);
+    for (int64_t i = i0; i < i1; ++i) write_group(nd + i / Hkv, i % Hkv);
   }
 
   // This thread's share of the keys' scores, once the decodes' parts are merged.

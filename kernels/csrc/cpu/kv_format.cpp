@@ -166,10 +166,16 @@ void store_channel_group(KvFormat from, const uint8_t* in, int64_t in_stride, in
 
 void read_channel_codes(const uint8_t* first, int64_t stride, int64_t D, ChannelCodes& codes) {
   if (codes.group == first && static_cast<int64_t>(codes.s.size()) == D) return;
-  // The group's codes lie end to end over its rows' tails.
+  // The group's codes lie end to end over its rows' tails: gathered first.
   const int64_t tail = kv_row_bytes(KvFormat::I4C, D) - D / 2;
-  const auto byte = [&](int64_t i) -> uint32_t { return first[i / tail * stride + D / 2 + i % tail]; };
-  const auto half = [&](int64_t i) { return f16_to_float(static_cast<uint16_t>(byte(i) | byte(i + 1) << 8)); };
+  thread_local std::vector<uint8_t> all;
+  all.resize(KV_CHANNEL_GROUP * tail);
+  for (int64_t t = 0; t < KV_CHANNEL_GROUP; ++t)
+    std::memcpy(all.data() + t * tail, first + t * stride + D / 2, tail);
+  const auto byte = [&](int64_t i) -> uint32_t { return all[i]; };
+  const auto half = [&](int64_t i) {
+    return f16_to_float(static_cast<uint16_t>(byte(i) | byte(i + 1) << 8));
+  };
   const float lo0 = half(0), dlo = half(2), ds = half(4);
   codes.s.resize(D);
   codes.lo8.resize(D);

@@ -12,11 +12,13 @@ PrefillAttention::PrefillAttention(const CacheView& cache_, const Queries& q_,
                                    const ScoreSink& sink_)
     : cache(cache_), q(q_), fresh(fresh_), prefix(meta.prefix_lens), cu(meta.cu_seqlens_q),
       sink(sink_) {
-  // A chunk's int4 keys are quantized by their groups in torch (kv_quant), not here.
-  TORCH_CHECK(cache.k.format != KvFormat::I4C || meta.B == meta.num_decodes,
-              "prefill does not read int4 keys per channel");
   blocks_of.assign(meta.num_decodes + 1, 0);
   for (int64_t b = meta.num_decodes; b < meta.B; ++b) {
+    // int4 keys: the chunk's rows read quantized keys of groups cached whole before it only
+    // (the ones it completes are written after it, by their groups).
+    TORCH_CHECK(cache.k.format != KvFormat::I4C ||
+                    cu[b + 1] - cu[b] <= cache.recent.tokens - prefix[b] % KV_CHANNEL_GROUP,
+                "a prefill chunk reads int4 keys of a group it completes");
     TORCH_CHECK(prefix[b] >= 0 && (cache.window > 0 || prefix[b] <= cache.W * cache.k.bs),
                 "a prefix is longer than its block table");
     for (int64_t r = cu[b]; r < cu[b + 1]; r += ROWS) seq.push_back(b), row0.push_back(r);
@@ -67,6 +69,8 @@ void PrefillAttention::rows_of_unit(int64_t b, int64_t h, int64_t lo, int64_t hi
     if (pos < P) {
       const auto [k0, v0] = cache.rows(b, pos);
       s.krows[pos - lo] = k0 + h * k.s2, s.vrows[pos - lo] = v0 + h * v.s2;
+      // A block holds whole groups: the group's first row is in the same block.
+      if (k.format == KvFormat::I4C) s.kgroups[pos - lo] = s.krows[pos - lo] - pos % KV_CHANNEL_GROUP * k.s1;
     } else {
       const int64_t j = c0 + pos - P;
       s.krows[pos - lo] = fresh.k + j * fresh.k_row + h * fresh.k_head;
@@ -117,6 +121,10 @@ void PrefillAttention::unit_in(int64_t u, AttentionScratch& s) const {
   }
   for (int64_t t0 = 0; t0 < main_end; t0 += shape.tile) {
     const int64_t m = std::min(shape.tile, main_end - t0);
+    if constexpr (FK == KvFormat::I4C) {
+      std::copy_n(s.kgroups.data() + t0, m, s.kgtile.data());
+      s.kstride = k.s1;
+    }
     attend_tile<FK, FV>(s.queries.data(), nq, s.krows.data() + t0, s.vrows.data() + t0, t0, m,
                         shape, s);
   }
