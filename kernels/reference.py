@@ -159,19 +159,26 @@ def _key_groups(k_new, prefix: int, rk_cache, recent_table, recent: int) -> torc
     return torch.cat([head, k_new.to(rk_cache.dtype).float()])
 
 
+def _chunk_keys(cache, table, window, new, first, prefix) -> torch.Tensor:
+    """A prefill chunk's keys or values at ``first``..: the cached ones as ``cache`` gives them
+    back, then its new ones ``new`` (at ``prefix``..) as they are given."""
+    cached = gather_cache(cache, table, torch.arange(first, prefix, device=new.device), window)
+    return torch.cat([cached, new.float()])
+
+
 def _grouped_keys(
-    k, lo, hi, prefix, first, k_cache, table, window, rk_cache, recent_table, recent
+    k_new, prefix, first, k_cache, table, window, rk_cache, recent_table, recent
 ) -> torch.Tensor:
-    """A prefill chunk's keys at ``first``.. (rows lo..hi of k, at ``prefix``..) as int4 groups
-    give them back: the groups cached before the chunk from the cache, the ones it completes
-    quantized here (``write_key_groups`` writes them after attention), the last, partial one
-    as it is: its rows are within ``recent`` of every row that reads them."""
-    rows = _key_groups(k[lo:hi], prefix, rk_cache, recent_table, recent)
+    """A prefill chunk's keys at ``first``.. (its new ones ``k_new``, at ``prefix``..) as int4
+    groups give them back: the groups cached before the chunk from the cache, the ones it
+    completes quantized here (``write_key_groups`` writes them after attention), the last,
+    partial one as it is: its rows are within ``recent`` of every row that reads them."""
+    rows = _key_groups(k_new, prefix, rk_cache, recent_table, recent)
     full = rows.shape[0] // CHANNEL_GROUP * CHANNEL_GROUP
     rows = torch.cat([fake_quantize_channels(rows[:full]), rows[full:]])
     split = max(first, prefix - prefix % CHANNEL_GROUP)
     cached = gather_cache(k_cache, table, torch.arange(first, split), window)
-    return torch.cat([cached, rows[split - (prefix + hi - lo) :]])
+    return torch.cat([cached, rows[split - (prefix + k_new.shape[0]) :]])
 
 
 def write_key_groups(
@@ -458,33 +465,15 @@ def recent_prefill_attention(
         first = max(0, prefix - window + 1) if window else 0
         recent_first = max(first, prefix - recent + 1)
         pos_q = torch.arange(prefix, prefix + hi - lo, device=q.device)[:, None]
-        parts = []
-        for lo_k, caches, table, ring, rows in (
-            (first, (k_cache, v_cache), block_tables[i], window, (k_old, v_old)),
-            (recent_first, (rk_cache, rv_cache), recent_tables[i], recent, (k_new, v_new)),
-        ):
-            cached = torch.arange(lo_k, prefix, device=q.device)
-            kv = [torch.cat([gather_cache(c, table, cached, ring), r[lo:hi].float()])
-                  for c, r in zip(caches, rows)]  # fmt: skip
-            parts.append((*kv, torch.arange(lo_k, prefix + hi - lo, device=q.device)[None, :]))
-        if channels:
-            parts[0] = (
-                _grouped_keys(
-                    k,
-                    lo,
-                    hi,
-                    prefix,
-                    first,
-                    k_cache,
-                    block_tables[i],
-                    window,
-                    rk_cache,
-                    recent_tables[i],
-                    recent,
-                ),
-                *parts[0][1:],
-            )
-        (k_a, v_a, pos_a), (k_b, v_b, pos_b) = parts
+        table, ring_table = block_tables[i], recent_tables[i]
+        k_a = (_grouped_keys(k[lo:hi], prefix, first, k_cache, table, window, rk_cache, ring_table,
+                             recent) if channels
+               else _chunk_keys(k_cache, table, window, k_old[lo:hi], first, prefix))  # fmt: skip
+        v_a = _chunk_keys(v_cache, table, window, v_old[lo:hi], first, prefix)
+        k_b = _chunk_keys(rk_cache, ring_table, recent, k_new[lo:hi], recent_first, prefix)
+        v_b = _chunk_keys(rv_cache, ring_table, recent, v_new[lo:hi], recent_first, prefix)
+        pos_a = torch.arange(first, prefix + hi - lo, device=q.device)[None, :]
+        pos_b = torch.arange(recent_first, prefix + hi - lo, device=q.device)[None, :]
         mask_a = pos_a <= pos_q - recent
         mask_b = (pos_b <= pos_q) & (pos_b > pos_q - recent)
         if window:
