@@ -65,7 +65,7 @@ from engine.core.context_overflow import (
 )
 from engine.core.outputs import RequestOutput
 from models.fetch import cache_root
-from models.kv_spec import kv_pair
+from models.kv_spec import int4_keys
 
 DEFAULT_CHUNK = 64
 SMOOTHING = 64  # tokens per point of the plotted curve (a moving average of the NLL)
@@ -597,7 +597,7 @@ def score_kv_dtypes(
     for kv in kv_dtypes:
         args = dataclasses.replace(base, kv_cache_dtype=kv)
         taken = policies
-        if kv != "auto" and kv_pair(kv)[0] == "int4":
+        if int4_keys(kv):
             moves = {p for p in policies if p.overflow and p.overflow.policy in IMPORTANCE_POLICIES}
             taken = [p for p in policies if p not in moves]
         results += score(args, tokens, taken, limit, chunk, show_progress, reference)

@@ -28,7 +28,7 @@ from kernels.backend import backend_names, default_backend
 from kernels.weights import QUANTIZABLE
 from models.config import ModelConfig
 from models.fetch import resolve_model
-from models.kv_spec import CHANNEL_GROUP, DTYPES, KV_DTYPES, kv_pair
+from models.kv_spec import CHANNEL_GROUP, DTYPES, KV_DTYPES, int4_keys, kv_pair
 
 ENGINE = "engine"
 OVERFLOW = "overflow policies (a request may override the context one)"
@@ -307,7 +307,7 @@ class EngineArgs:
         for ok, name in checks:
             if not ok:
                 raise ValueError(f"invalid {name}: {getattr(self, name, None)!r}")
-        if self.kv_cache_dtype != "auto" and kv_pair(self.kv_cache_dtype)[0] == "int4":
+        if int4_keys(self.kv_cache_dtype):
             # int4 keys are quantized per 32 tokens, which a block must hold whole: set here,
             # once, for everything that reads the block size.
             object.__setattr__(self, "block_size", max(self.block_size, CHANNEL_GROUP))

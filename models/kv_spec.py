@@ -54,10 +54,15 @@ def kv_pair(dtype: str) -> tuple[str, str]:
     return key, value
 
 
+def int4_keys(dtype: str) -> bool:
+    """Whether a cache of ``dtype`` (``auto`` included) stores its keys in int4."""
+    return kv_pair(dtype)[0] == "int4"
+
+
 def channel_keys(spec) -> bool:
     """Whether a spec's keys are int4, quantized per channel over groups of ``CHANNEL_GROUP``
     tokens (an MLA cache's rows are keys and values at once: quantized per token)."""
-    return not isinstance(spec, MLASpec) and kv_pair(spec.dtype)[0] == "int4"
+    return not isinstance(spec, MLASpec) and int4_keys(spec.dtype)
 
 
 def keys_quantized(dtype: str) -> bool:

@@ -86,8 +86,6 @@ class ModelRunner:
             replace(g, scored=config.kv_scores and not g.spec.window)
             for g in config.kv_cache_groups(type(self.model), model_config)
         ]
-        # Groups of recent tokens (``models.kv_spec.with_recent``) hold layers numbered past the
-        # model's: a layer with one has its cache there too, at its id plus the layer count.
         if config.kv_scores and any(g.recent for g in self.groups):
             raise ValueError(
                 "importance scores (--kv-scores, eviction by importance) do not go with recent "
@@ -101,6 +99,8 @@ class ModelRunner:
                 "the triton backend does not read int4 keys (per channel) yet: use "
                 "--kv-cache-dtype int8/int4"
             )
+        # Groups of recent tokens (``models.kv_spec.with_recent``) hold layers numbered past the
+        # model's: a layer with one has its cache there too, at its id plus the layer count.
         size = max(layer for g in self.groups for layer in g.layer_ids) + 1
         layer_to_group = [-1] * size
         for gi, g in enumerate(self.groups):

@@ -83,14 +83,14 @@ const float* const* tile_floats(const uint8_t* const* rows, int64_t m, int64_t D
   for (int64_t i = 0; i < m; ++i) {
     if constexpr (F == KvFormat::F32) {
       s.floats[i] = reinterpret_cast<const float*>(rows[i]);
-    } else if constexpr (F == KvFormat::I4C) {
-      float* t = s.tile.data() + i * D;
-      read_channel_codes(s.kgtile[i], s.kstride, D, s.codes);
-      load_channel_row(rows[i], s.codes, D, t);
-      s.floats[i] = t;
     } else {
       float* t = s.tile.data() + i * D;
-      load_row<F>(rows[i], D, t);
+      if constexpr (F == KvFormat::I4C) {  // each row read by its group's codes
+        read_channel_codes(s.kgtile[i], s.kstride, D, s.codes);
+        load_channel_row(rows[i], s.codes, D, t);
+      } else {
+        load_row<F>(rows[i], D, t);
+      }
       s.floats[i] = t;
     }
   }

@@ -81,10 +81,6 @@ void store_int4(const float* x, int64_t D, uint8_t* row) {
   }
 }
 
-}  // namespace
-
-namespace {
-
 // h as float16 bits, moved one step toward +inf (`up`) or -inf.
 uint16_t half_step(uint16_t h, bool up) {
   const bool negative = h & 0x8000;
@@ -134,7 +130,9 @@ void store_channel_group(KvFormat from, const uint8_t* in, int64_t in_stride, in
   // The codes: lo0, dlo, ds as float16, the minimums' codes, the scales', spread over the
   // rows' tails after their nibbles.
   const int64_t tail = kv_row_bytes(KvFormat::I4C, D) - D / 2;
-  const auto code = [&](int64_t i, uint8_t b) { out[i / tail * out_stride + D / 2 + i % tail] = b; };
+  const auto code = [&](int64_t i, uint8_t b) {
+    out[i / tail * out_stride + D / 2 + i % tail] = b;
+  };
   for (int64_t i = 0; i < G * tail; ++i) code(i, 0);
   const float ends[3] = {lo0, dlo, ds};
   for (int e = 0; e < 3; ++e) {

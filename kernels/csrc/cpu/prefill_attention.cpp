@@ -70,7 +70,8 @@ void PrefillAttention::rows_of_unit(int64_t b, int64_t h, int64_t lo, int64_t hi
       const auto [k0, v0] = cache.rows(b, pos);
       s.krows[pos - lo] = k0 + h * k.s2, s.vrows[pos - lo] = v0 + h * v.s2;
       // A block holds whole groups: the group's first row is in the same block.
-      if (k.format == KvFormat::I4C) s.kgroups[pos - lo] = s.krows[pos - lo] - pos % KV_CHANNEL_GROUP * k.s1;
+      if (k.format == KvFormat::I4C)
+        s.kgroups[pos - lo] = s.krows[pos - lo] - pos % KV_CHANNEL_GROUP * k.s1;
     } else {
       const int64_t j = c0 + pos - P;
       s.krows[pos - lo] = fresh.k + j * fresh.k_row + h * fresh.k_head;
