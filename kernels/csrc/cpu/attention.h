@@ -106,6 +106,7 @@ struct AttentionScratch {
   ChannelCodes codes;
   std::vector<const float*> floats;          // a tile's rows as floats
   std::vector<float> tile, scores, rotated;  // converted rows, scores per query, rotated queries
+  std::vector<float> scaled;                 // I4C keys: a query times a group's scales
   std::unique_ptr<float[]> kept;             // counted queries' weights (QueryState)
   int64_t kept_size = 0;
   std::vector<float> maxima;

@@ -45,6 +45,7 @@ inline void prepare(AttentionScratch& s, int64_t n, int64_t queries, const TileS
   s.kgroups.resize(n);
   s.kgtile.resize(t.tile);
   s.floats.resize(t.tile);
+  s.scaled.resize(t.Dk);
   s.tile.resize(t.tile * std::max(t.Dk, t.Dv));
   s.scores.resize(queries * t.tile);
   s.rotated.resize(rotated);
@@ -63,8 +64,12 @@ inline void keep(QueryState& qs, AttentionScratch& s, int64_t c, int64_t n,
 
 // The query's running softmax over n more scores s (left as their exp(s - mx)).
 inline void take_scores(QueryState& qs, float* s, int64_t n, int64_t Dv) {
-  float mx = qs.mx;
-  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
+  // Eight running maxima: one would wait on each comparison before it.
+  vec8 m8 = splat8(qs.mx);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) m8 = max8(m8, load8(s + i));
+  float mx = hmax(m8);
+  for (; i < n; ++i) mx = std::max(mx, s[i]);
   if (mx > qs.mx) {
     if (qs.sum > 0.f) {  // what the earlier rows added, to the new maximum
       const float f = std::exp(qs.mx - mx);
@@ -85,9 +90,12 @@ const float* const* tile_floats(const uint8_t* const* rows, int64_t m, int64_t D
       s.floats[i] = reinterpret_cast<const float*>(rows[i]);
     } else {
       float* t = s.tile.data() + i * D;
-      if constexpr (F == KvFormat::I4C) {  // each row read by its group's codes
-        read_channel_codes(s.kgtile[i], s.kstride, D, s.codes);
-        load_channel_row(rows[i], s.codes, D, t);
+      if constexpr (F == KvFormat::I4C) {  // the nibbles n - 8 alone: channel_scores scales
+        for (int64_t d = 0; d < D; d += KV_GROUP) {
+          vec8 n[4];
+          load32_nibbles_minus8(rows[i] + d / 2, n);
+          for (int j = 0; j < 4; ++j) store8(t + d + 8 * j, n[j]);
+        }
       } else {
         load_row<F>(rows[i], D, t);
       }
@@ -95,6 +103,23 @@ const float* const* tile_floats(const uint8_t* const* rows, int64_t m, int64_t D
     }
   }
   return s.floats.data();
+}
+
+// w [m] <- the scores of query q over m I4C key rows, times `scale`: `rows` their nibbles n - 8
+// as floats (tile_floats), `groups` their groups' first rows. A key is lo8 + s (n - 8) per
+// channel, so a score is q . lo8 + (q s) . (n - 8): q is scaled by a group's s once for all its
+// rows, which are read with no scale per value.
+inline void channel_scores(const float* q, const float* const* rows,
+                           const uint8_t* const* groups, int64_t m, int64_t D, float scale,
+                           float* w, AttentionScratch& s) {
+  float* qs = s.scaled.data();
+  for (int64_t r0 = 0, r1; r0 < m; r0 = r1) {  // the runs of rows of one group
+    for (r1 = r0 + 1; r1 < m && groups[r1] == groups[r0];) ++r1;
+    read_channel_codes(groups[r0], s.kstride, D, s.codes);
+    for (int64_t c = 0; c < D; c += 8)
+      store8(qs + c, mul8(load8(q + c), load8(s.codes.s.data() + c)));
+    scores_of(qs, rows + r0, r1 - r0, D, scale, w + r0, dot(q, s.codes.lo8.data(), D) * scale);
+  }
 }
 
 // Rows t0 .. t0 + m - 1 of a unit (k, v: those rows of one KV head, in formats FK and FV) taken
@@ -114,7 +139,10 @@ void attend_tile(QueryState* qs, int64_t nq, const uint8_t* const* k, const uint
     const auto [a, b] = part(qs[j]);
     if (a >= b) continue;
     float* w = weights(j, a);
-    scores_of(qs[j].q, keys + a, b - a, t.Dk, t.scale, w);
+    if constexpr (FK == KvFormat::I4C)
+      channel_scores(qs[j].q, keys + a, s.kgtile.data() + a, b - a, t.Dk, t.scale, w, s);
+    else
+      scores_of(qs[j].q, keys + a, b - a, t.Dk, t.scale, w);
     take_scores(qs[j], w, b - a, t.Dv);
     if (qs[j].maxima != nullptr) qs[j].maxima[t0 / t.tile] = qs[j].mx;
   }

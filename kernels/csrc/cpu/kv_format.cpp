@@ -164,23 +164,27 @@ void store_channel_group(KvFormat from, const uint8_t* in, int64_t in_stride, in
 
 void read_channel_codes(const uint8_t* first, int64_t stride, int64_t D, ChannelCodes& codes) {
   if (codes.group == first && static_cast<int64_t>(codes.s.size()) == D) return;
-  // The group's codes lie end to end over its rows' tails: gathered first.
+  // The group's codes lie end to end over its rows' tails, a few bytes each (D / 16 + 1):
+  // gathered first, byte by byte, which costs less than a call to copy each.
   const int64_t tail = kv_row_bytes(KvFormat::I4C, D) - D / 2;
-  thread_local std::vector<uint8_t> all;
-  all.resize(KV_CHANNEL_GROUP * tail);
-  for (int64_t t = 0; t < KV_CHANNEL_GROUP; ++t)
-    std::memcpy(all.data() + t * tail, first + t * stride + D / 2, tail);
-  const auto byte = [&](int64_t i) -> uint32_t { return all[i]; };
+  TORCH_CHECK(tail <= KV_CHANNEL_TAIL_MAX, "int4 keys of head dim ", D, " are too wide");
+  uint8_t all[KV_CHANNEL_GROUP * KV_CHANNEL_TAIL_MAX + 8];  // + 8: a load of 8 codes past the end
+  for (int64_t t = 0; t < KV_CHANNEL_GROUP; ++t) {
+    const uint8_t* src = first + t * stride + D / 2;
+    uint8_t* dst = all + t * tail;
+    for (int64_t j = 0; j < tail; ++j) dst[j] = src[j];
+  }
   const auto half = [&](int64_t i) {
-    return f16_to_float(static_cast<uint16_t>(byte(i) | byte(i + 1) << 8));
+    return f16_to_float(static_cast<uint16_t>(all[i] | all[i + 1] << 8));
   };
-  const float lo0 = half(0), dlo = half(2), ds = half(4);
+  const vec8 lo0 = splat8(half(0)), dlo = splat8(half(2)), ds = splat8(half(4));
+  const uint8_t *mins = all + KV_CHANNEL_GRID_BYTES, *scales = mins + D;
   codes.s.resize(D);
   codes.lo8.resize(D);
-  for (int64_t c = 0; c < D; ++c) {
-    const float s = static_cast<float>(byte(KV_CHANNEL_GRID_BYTES + D + c)) * ds;
-    codes.s[c] = s;
-    codes.lo8[c] = lo0 + static_cast<float>(byte(KV_CHANNEL_GRID_BYTES + c)) * dlo + 8.f * s;
+  for (int64_t c = 0; c < D; c += 8) {  // D is a multiple of 32
+    const vec8 s = mul8(load8_u8(scales + c), ds);
+    store8(codes.s.data() + c, s);
+    store8(codes.lo8.data() + c, add8(add8(lo0, mul8(load8_u8(mins + c), dlo)), mul8(splat8(8.f), s)));
   }
   codes.group = first;
 }

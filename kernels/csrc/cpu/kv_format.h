@@ -33,6 +33,7 @@ constexpr int64_t KV_SCALE_BYTES = 4;                  // I8, FP8: the row's flo
 constexpr int64_t KV_GROUP = 32, KV_GROUP_BYTES = 18;  // I4: values and bytes per scale
 constexpr int64_t KV_CHANNEL_GROUP = 32;               // I4C: tokens per channel's codes
 constexpr int64_t KV_CHANNEL_GRID_BYTES = 6;           // I4C: a group's float16 lo0, dlo, ds
+constexpr int64_t KV_CHANNEL_TAIL_MAX = 17;            // I4C: a row's code bytes, D <= 256
 
 inline int64_t kv_row_bytes(KvFormat f, int64_t D) {
   switch (f) {
@@ -156,7 +157,7 @@ constexpr bool kv_pair_read(KvFormat kf, KvFormat vf) {
 }
 
 // Channel c of a group of I4C keys: x = lo[c] + s[c] q, kept as lo8 = lo + 8 s beside s so
-// that a row reads as fma(s, q - 8, lo8), from the nibbles as I4 loads them.
+// that a row reads as lo8 + s (q - 8), from the nibbles as I4 loads them (channel_scores).
 struct ChannelCodes {
   const uint8_t* group = nullptr;  // the group's first row these are of
   std::vector<float> s, lo8;
@@ -171,19 +172,6 @@ void read_channel_codes(const uint8_t* first, int64_t stride, int64_t D, Channel
 // kv_quant.quantize_channels stores them (operation for operation, so byte for byte).
 void store_channel_group(KvFormat from, const uint8_t* in, int64_t in_stride, int64_t D,
                          uint8_t* out, int64_t out_stride);
-
-// out [D] <- the I4C row `row` of the group whose codes are `codes`.
-inline void load_channel_row(const uint8_t* row, const ChannelCodes& codes, int64_t D,
-                             float* out) {
-  for (int64_t d = 0; d < D; d += KV_GROUP, row += KV_GROUP / 2) {
-    vec8 q[4];
-    load32_nibbles_minus8(row, q);
-    for (int j = 0; j < 4; ++j) {
-      const int64_t c = d + 8 * j;
-      store8(out + c, fma8(load8(codes.s.data() + c), q[j], load8(codes.lo8.data() + c)));
-    }
-  }
-}
 
 // fn(KvFormatTag<kf>{}, KvFormatTag<vf>{}) for a pair kv_pair_read takes (callers check).
 template <class Fn>

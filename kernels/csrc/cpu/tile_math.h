@@ -39,10 +39,10 @@ inline void scale_row(float* x, int64_t D, float f) {
   for (; c < D; ++c) x[c] *= f;
 }
 
-// s[i] = dot(q, rows[i]) * scale for i < n, eight rows side by side so that their products do
-// not wait on each other.
+// s[i] = dot(q, rows[i]) * scale + bias for i < n, eight rows side by side so that their
+// products do not wait on each other.
 inline void scores_of(const float* q, const float* const* rows, int64_t n, int64_t D, float scale,
-               float* s) {
+                      float* s, float bias = 0.f) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     vec8 acc[8];
@@ -52,11 +52,11 @@ inline void scores_of(const float* q, const float* const* rows, int64_t n, int64
       const vec8 qv = load8(q + d);
       for (int r = 0; r < 8; ++r) acc[r] = fma8(qv, load8(rows[i + r] + d), acc[r]);
     }
-    store8(s + i, mul8(sum8(acc), splat8(scale)));
+    store8(s + i, fma8(sum8(acc), splat8(scale), splat8(bias)));
     for (; d < D; ++d)
       for (int r = 0; r < 8; ++r) s[i + r] += q[d] * rows[i + r][d] * scale;
   }
-  for (; i < n; ++i) s[i] = dot(q, rows[i], D) * scale;
+  for (; i < n; ++i) s[i] = dot(q, rows[i], D) * scale + bias;
 }
 
 // out[c .. c + 8V) += sum_i p[i] rows[i][c .. c + 8V), held in V registers.

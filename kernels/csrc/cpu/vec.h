@@ -27,6 +27,7 @@ KVSERVE_INLINE void store8_aligned(float* p, vec8 v) { _mm256_store_ps(p, v); }
 KVSERVE_INLINE vec8 add8(vec8 a, vec8 b) { return _mm256_add_ps(a, b); }
 KVSERVE_INLINE vec8 sub8(vec8 a, vec8 b) { return _mm256_sub_ps(a, b); }
 KVSERVE_INLINE vec8 mul8(vec8 a, vec8 b) { return _mm256_mul_ps(a, b); }
+KVSERVE_INLINE vec8 max8(vec8 a, vec8 b) { return _mm256_max_ps(a, b); }
 KVSERVE_INLINE vec8 div8(vec8 a, vec8 b) { return _mm256_div_ps(a, b); }
 // a * b + c and c - a * b, each rounded once.
 KVSERVE_INLINE vec8 fma8(vec8 a, vec8 b, vec8 c) { return _mm256_fmadd_ps(a, b, c); }
@@ -54,6 +55,10 @@ KVSERVE_INLINE vec8 load8_bf16(const void* p) {
 KVSERVE_INLINE float f16_to_float(uint16_t h) { return _cvtsh_ss(h); }
 KVSERVE_INLINE float bf16_to_float(uint16_t h) {
   return _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128(static_cast<int32_t>(h) << 16)));
+}
+KVSERVE_INLINE vec8 load8_u8(const void* p) {
+  const __m128i b = _mm_loadl_epi64(static_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
 }
 KVSERVE_INLINE vec8 load8_i8(const void* p) {
   const __m128i b = _mm_loadl_epi64(static_cast<const __m128i*>(p));
@@ -101,6 +106,14 @@ inline float hsum(vec8 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// The largest of v's lanes.
+inline float hmax(vec8 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
 }
 
 // The sums of eight vectors, as one vector: [sum(a[0]), ..., sum(a[7])].
