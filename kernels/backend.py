@@ -293,11 +293,15 @@ class AttentionBackend(ABC):
         return reference.recent_prefill_attention(
             q, k, v, *kv_cache, meta.block_tables, meta.cu_seqlens_q, meta.prefix_lens,
             *recent_cache, recent_meta.block_tables, recent_meta.window, scale, meta.window,
-            self._prefill_attend(q),
+            self._prefill_attend(q), self._prefill_split(q),
         )  # fmt: skip
 
     def _prefill_attend(self, q: torch.Tensor) -> Callable | None:
         """What computes a prefill chunk's attention in the reference (None: its own)."""
+        return None
+
+    def _prefill_split(self, q: torch.Tensor) -> Callable | None:
+        """What computes a chunk's attention over recent rows by parts (None: ``attend``)."""
         return None
 
     def recent_decode(self, q, kv_cache: KVCache, meta, recent_cache: KVCache, recent_meta, scale):
@@ -503,6 +507,60 @@ def sdpa_attend(q, k, v, scale, mask):
     return out[0].transpose(0, 1)
 
 
+def split_recent_attend(q, k_a, v_a, k_b, v_b, prefix: int, recent: int, scale: float):
+    """A chunk's attention over a full-attention layer with recent rows
+    (``reference.recent_prefill_attention``'s ``split``), as parts merged by their
+    log-sum-exps: the row at position t = prefix + i reads the older keys k_a at p <= t - recent
+    by torch's flash attention, its causal mask shifted by slicing the rows and keys, and the
+    recent band, ``recent`` keys of k_b a row, directly. One mask over both sets of keys would
+    have every row attend all of them: about four times the work of a 2048-token chunk."""
+    n = q.shape[0]
+    parts = [_band(q, k_b, v_b, prefix, recent, scale)]
+    d = prefix - recent  # row i reads k_a[: i + d + 1]
+    if d >= 0:  # every row reads k_a[: d + 1], and row i the i - 1 after
+        parts.append(_flash(0, q, k_a[: d + 1], v_a[: d + 1], scale, causal=False))
+        if n > 1:
+            parts.append(_flash(1, q[1:], k_a[d + 1 : d + n], v_a[d + 1 : d + n], scale, True))
+    elif n > -d:  # rows from -d on read k_a[: i + d + 1]
+        parts.append(_flash(-d, q[-d:], k_a[: n + d], v_a[: n + d], scale, causal=True))
+    top = parts[0][2].clone()  # the band has a key for every row
+    for r0, _, lse in parts[1:]:
+        top[r0:] = torch.maximum(top[r0:], lse)
+    out, total = torch.zeros_like(parts[0][1]), torch.zeros_like(top)
+    for r0, o, lse in parts:
+        w = torch.exp(lse - top[r0:])
+        out[r0:] += o * w[..., None]
+        total[r0:] += w
+    return out / total[..., None]
+
+
+def _flash(r0: int, q, k, v, scale: float, causal: bool):
+    """(r0, output, log-sum-exp) of rows q [n, Hq, D] over k, v [S, Hkv, D] (row r of
+    ``causal`` reads their first r + 1)."""
+    g = q.shape[1] // k.shape[1]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(0, 1)[None], k.transpose(0, 1).repeat_interleave(g, 0)[None],
+        v.transpose(0, 1).repeat_interleave(g, 0)[None], is_causal=causal, scale=scale,
+    )  # fmt: skip
+    return r0, out[0].transpose(0, 1), lse[0].T
+
+
+def _band(q, k_b, v_b, prefix: int, recent: int, scale: float):
+    """(0, output, log-sum-exp) of rows q [n, Hq, D] at prefix + i over the ``recent`` keys
+    up to each, from k_b, v_b (positions from prefix - (len(k_b) - n) on)."""
+    n, hq, dk = q.shape
+    hkv = k_b.shape[1]
+    pad = recent - 1 - (k_b.shape[0] - n)  # row i's keys: the padded rows i .. i + recent - 1
+    kw = F.pad(k_b, (0, 0, 0, 0, pad, 0)).unfold(0, recent, 1)  # [n, Hkv, D, recent]
+    vw = F.pad(v_b, (0, 0, 0, 0, pad, 0)).unfold(0, recent, 1)
+    s = torch.einsum("nhgd,nhdr->nhgr", q.reshape(n, hkv, hq // hkv, dk), kw) * scale
+    padded = torch.arange(n)[:, None] + torch.arange(recent)[None, :] < pad
+    s = s.masked_fill(padded[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    out = torch.einsum("nhgr,nhdr->nhgd", torch.exp(s - lse[..., None]), vw)
+    return 0, out.reshape(n, hq, -1), lse.reshape(n, hq)
+
+
 class CpuBackend(TorchBackend):
     """The torch reference, with decode attention and cache writes by the C++ kernels (which
     read and write every cache format, and add to importance scores) and prefill attention by
@@ -544,6 +602,9 @@ class CpuBackend(TorchBackend):
 
     def _prefill_attend(self, q):
         return sdpa_attend if q.dtype == torch.float32 else None
+
+    def _prefill_split(self, q):
+        return split_recent_attend if q.dtype == torch.float32 else None
 
     def write_cache(self, cache, rows, slots):
         if self._cpu.takes_cache(cache) and cache.stride(2) == cache.shape[3]:

@@ -443,12 +443,15 @@ def recent_prefill_attention(
     scale: float,
     window: int = 0,
     attend: Callable | None = None,
+    split: Callable | None = None,
 ) -> torch.Tensor:
     """``prefill_attention`` of such a layer: the row at position t reads keys and values at
     t - recent < p <= t as the recent caches give them back, and those at p <= t - recent as
     k/v give them back (new ones read back in each cache's format, as a decode would read
     them; int4 keys by their groups, which ``write_key_groups`` writes after this).
-    ``attend`` as ``prefill_attention``'s."""
+    ``attend`` as ``prefill_attention``'s. ``split``: what computes a chunk of a full-attention
+    layer instead, as split(q, k_a, v_a, k_b, v_b, prefix, recent, scale) over the older keys
+    and values (positions 0 on) and the recent ones (prefix - recent + 1 on, at least 0)."""
     attend = attend or _attend
     channels = per_channel(k_cache)
     if channels:  # keys read back by their groups, per sequence
@@ -472,6 +475,10 @@ def recent_prefill_attention(
         v_a = _chunk_keys(v_cache, table, window, v_old[lo:hi], first, prefix)
         k_b = _chunk_keys(rk_cache, ring_table, recent, k_new[lo:hi], recent_first, prefix)
         v_b = _chunk_keys(rv_cache, ring_table, recent, v_new[lo:hi], recent_first, prefix)
+        if split is not None and not window:
+            out[lo:hi] = split(q[lo:hi], k_a.to(k.dtype), v_a.to(v.dtype), k_b.to(k.dtype),
+                               v_b.to(v.dtype), prefix, recent, scale)  # fmt: skip
+            continue
         pos_a = torch.arange(first, prefix + hi - lo, device=q.device)[None, :]
         pos_b = torch.arange(recent_first, prefix + hi - lo, device=q.device)[None, :]
         mask_a = pos_a <= pos_q - recent

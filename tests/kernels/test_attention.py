@@ -475,6 +475,32 @@ def test_reference_matches_sdpa_on_contiguous_cache(window):
     torch.testing.assert_close(out, expected[-1:], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "prefix,n,recent",
+    [(0, 37, 32), (0, 1, 32), (5, 1, 32), (31, 2, 32), (37, 40, 32), (100, 1, 32), (10, 100, 45),
+     (200, 300, 128)],
+)  # fmt: skip
+def test_split_recent_attention_is_one_softmax_over_both_sets_of_keys(prefix, n, recent):
+    """The CPU backend's chunk over recent rows, by parts (flash attention over the older keys,
+    shifted by slicing, and the recent band) against one softmax over both sets of keys under
+    the reference's masks: rows before and after their first older key, chunks of one row."""
+    from kernels.backend import split_recent_attend
+
+    gen = torch.Generator().manual_seed(prefix + n)
+    hkv, group, d = 2, 3, 16
+    first = max(0, prefix - recent + 1)
+    q = torch.randn(n, hkv * group, d, generator=gen)
+    k_a, v_a, k_b, v_b = (
+        torch.randn(prefix + n - at, hkv, d, generator=gen) for at in (0, 0, first, first)
+    )
+    pos_q = torch.arange(prefix, prefix + n)[:, None]
+    pos_a, pos_b = torch.arange(prefix + n)[None], torch.arange(first, prefix + n)[None]
+    mask = torch.cat([pos_a <= pos_q - recent, (pos_b <= pos_q) & (pos_b > pos_q - recent)], 1)
+    want = reference._attend(q, torch.cat([k_a, k_b]), torch.cat([v_a, v_b]), 0.3, mask)
+    got = split_recent_attend(q, k_a, v_a, k_b, v_b, prefix, recent, 0.3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.slow
 def test_engine_with_triton_backend_generates_the_torch_backend_tokens(smollm2_dir):
     from engine import LLM, SamplingParams
