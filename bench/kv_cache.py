@@ -16,11 +16,12 @@ it (``--kv-cache-recent-tokens``); a peer type ``K/V`` runs ``-ctk K -ctv V``.
   with ``-ctk/-ctv f32`` saving the base logits, then each type with ``--kl-divergence``.
 - Capacity: the bytes one token holds in all layers, against float32's (of a 4096-token
   sequence, whose recent tokens are held twice).
-- Decode at 4k context, 8 concurrent: 8 prompts of 4096 tokens are prefilled once; then the same
-  prompts (their blocks found in the prefix cache) generate 64 tokens each, three times: output
-  tok/s, median. The first step computes each prompt's last block again (a prefix hit leaves
-  at least one token to compute, and int4 keys' blocks are 32 tokens): the decode steps alone
-  are timed as (generate 65 tokens - generate 1) / 64, also a median of three.
+- Decode at 4k context, 8 concurrent: 8 prompts of 4096 tokens are prefilled once (timed: chunks
+  of 2048 tokens); then the same prompts (their blocks found in the prefix cache) generate 64
+  tokens each, in five rounds that take the dtypes in turns (one engine each, all held at once):
+  output tok/s, median. That first step computes each prompt's last block again (a prefix hit
+  leaves at least one token to compute, and int4 keys' blocks are 32 tokens): a decode step
+  alone is timed as (generate 65 tokens - generate 1) / 64, also a median.
 - A fixed 256 MiB pool and 16 concurrent requests of 1536 + 512 tokens: total output tok/s and
   preemptions.
 """
@@ -96,27 +97,40 @@ def prompts_of(ids: list[int], n: int, length: int) -> list[list[int]]:
     return [ids[i * stride : i * stride + length] for i in range(n)]
 
 
-def decode_speed(base: EngineArgs, ids: list[int], kv: str, repeats: int = 3) -> dict:
-    """8 sequences over 4096-token contexts: output tok/s decoding 64 tokens each (``tok_s``),
-    and the seconds of one decode step past the first (``step_s``)."""
-    args = dataclasses.replace(base, **quality.kv_settings(kv), kv_cache_memory_gib=1.0,
-                               max_model_len=4224, max_num_batched_tokens=2048)  # fmt: skip
-    llm = LLM(**dataclasses.asdict(args))
+def decode_speeds(base: EngineArgs, ids: list[int], kvs: list[str], repeats: int = 5) -> dict:
+    """Per KV dtype, 8 sequences over 4096-token contexts: output tok/s decoding 64 tokens
+    each (``tok_s``), the seconds of one decode step past the first (``step_s``) and of the
+    prompts' first prefill (``prefill_s``, once). One engine per dtype, all held at once and
+    timed in turns, round after round, so that the box's drift over the run (up to 15% here)
+    falls on every dtype alike."""
     prompts = prompts_of(ids, 8, 4096)
+    engines = {}
+    for kv in kvs:
+        args = dataclasses.replace(base, **quality.kv_settings(kv), kv_cache_memory_gib=1.0,
+                                   max_model_len=4224, max_num_batched_tokens=2048)  # fmt: skip
+        engines[kv] = LLM(**dataclasses.asdict(args))
 
-    def wall(tokens: int) -> float:
+    def wall(kv: str, tokens: int) -> float:
         params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
         start = time.perf_counter()
-        outs = llm.generate(prompts, params)
+        outs = engines[kv].generate(prompts, params)
         assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
         return time.perf_counter() - start
 
-    wall(1)  # the prompts' blocks cached
-    rates, steps = [], []
+    prefill = {kv: wall(kv, 1) for kv in kvs}  # the prompts' blocks cached
+    rates, steps = {kv: [] for kv in kvs}, {kv: [] for kv in kvs}
     for _ in range(repeats):
-        rates.append(len(prompts) * 64 / wall(64))
-        steps.append((wall(65) - wall(1)) / 64)
-    return {"tok_s": statistics.median(rates), "step_s": statistics.median(steps)}
+        for kv in kvs:
+            rates[kv].append(len(prompts) * 64 / wall(kv, 64))
+            steps[kv].append((wall(kv, 65) - wall(kv, 1)) / 64)
+    return {
+        kv: {
+            "tok_s": statistics.median(rates[kv]),
+            "step_s": statistics.median(steps[kv]),
+            "prefill_s": prefill[kv],
+        }  # fmt: skip
+        for kv in kvs
+    }
 
 
 def small_pool(base: EngineArgs, ids: list[int], kv: str) -> dict:
@@ -166,16 +180,19 @@ def report(args, costs, peer, capacity, decode, pool) -> str:
         lines.append(f"| llama.cpp | {t} | | | {r['ppl']:.4f} | {kld} |")
     if decode:
         head = (
-            "Decode, 8 sequences at 4096 tokens of context, 64 tokens each (median of 3); a "
+            "Decode, 8 sequences at 4096 tokens of context, 64 tokens each (median of 5 "
+            "rounds, the dtypes in turns); a "
             "decode step: (generate 65 - generate 1) / 64, the step that computes each "
             "prompt's last block again left out:"
         )
-        lines += ["", head, "", "| KV dtype | output tok/s | vs float32 | decode step ms | "
-                  "decode tok/s | vs float32 |", "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += ["", head, "", "| KV dtype | prefill of the 8 prompts, s | output tok/s | "
+                  "vs float32 | decode step ms | decode tok/s | vs float32 |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
         f32 = decode["float32"]
         for kv, r in decode.items():
             lines.append(
-                f"| {kv} | {r['tok_s']:.1f} | {r['tok_s'] / f32['tok_s']:.2f}x | "
+                f"| {kv} | {r['prefill_s']:.1f} | {r['tok_s']:.1f} | "
+                f"{r['tok_s'] / f32['tok_s']:.2f}x | "
                 f"{r['step_s'] * 1e3:.1f} | {8 / r['step_s']:.1f} | "
                 f"{f32['step_s'] / r['step_s']:.2f}x |"
             )
@@ -232,11 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     capacity = {kv: plan(kv).bytes_per_full_sequence // 4096 for kv in dtypes}
     decode, pool = {}, {}
     if not args.skip_speed:
-        for kv in args.speed_dtypes.split(","):
-            decode[kv] = decode_speed(base, ids, kv)
-            print(f"{kv}: {decode[kv]} decoding at 4k", flush=True)
-            if not args.skip_pool:
-                pool[kv] = small_pool(base, ids, kv)
+        decode = decode_speeds(base, ids, args.speed_dtypes.split(","))
+        print(decode, flush=True)
+        if not args.skip_pool:
+            pool = {kv: small_pool(base, ids, kv) for kv in args.speed_dtypes.split(",")}
     text_out = report(args, costs, peer, capacity, decode, pool)
     print(text_out)
     if args.out:
