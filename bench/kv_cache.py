@@ -48,6 +48,7 @@ from models.tokenizer import Tokenizer
 
 DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "int4", "int8/int4")
 PEER_TYPES = ("f16", "q8_0", "q4_0", "q8_0/q4_0")
+DECODE_SEQS = 8  # sequences decoding at once over 4096-token contexts
 NUMBER = r"(-?[\d.]+(?:e[-+]?\d+)?)"  # as llama-perplexity prints them
 GGUF = {
     name: f"{name}.gguf" for name in ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")
@@ -98,12 +99,12 @@ def prompts_of(ids: list[int], n: int, length: int) -> list[list[int]]:
 
 
 def decode_speeds(base: EngineArgs, ids: list[int], kvs: list[str], repeats: int = 5) -> dict:
-    """Per KV dtype, 8 sequences over 4096-token contexts: output tok/s decoding 64 tokens
-    each (``tok_s``), the seconds of one decode step past the first (``step_s``) and of the
-    prompts' first prefill (``prefill_s``, once). One engine per dtype, all held at once and
-    timed in turns, round after round, so that the box's drift over the run (up to 15% here)
-    falls on every dtype alike."""
-    prompts = prompts_of(ids, 8, 4096)
+    """Per KV dtype, ``DECODE_SEQS`` sequences over 4096-token contexts: output tok/s
+    decoding 64 tokens each (``tok_s``), the seconds of one decode step past the first
+    (``step_s``) and of the prompts' first prefill (``prefill_s``, once). One engine per dtype,
+    all held at once and timed in turns, round after round, so that the box's drift over the
+    run (up to 15% here) falls on every dtype alike."""
+    prompts = prompts_of(ids, DECODE_SEQS, 4096)
     engines = {}
     for kv in kvs:
         args = dataclasses.replace(base, **quality.kv_settings(kv), kv_cache_memory_gib=1.0,
@@ -128,7 +129,7 @@ def decode_speeds(base: EngineArgs, ids: list[int], kvs: list[str], repeats: int
             "tok_s": statistics.median(rates[kv]),
             "step_s": statistics.median(steps[kv]),
             "prefill_s": prefill[kv],
-        }  # fmt: skip
+        }
         for kv in kvs
     }
 
@@ -180,20 +181,19 @@ def report(args, costs, peer, capacity, decode, pool) -> str:
         lines.append(f"| llama.cpp | {t} | | | {r['ppl']:.4f} | {kld} |")
     if decode:
         head = (
-            "Decode, 8 sequences at 4096 tokens of context, 64 tokens each (median of 5 "
-            "rounds, the dtypes in turns); a "
-            "decode step: (generate 65 - generate 1) / 64, the step that computes each "
-            "prompt's last block again left out:"
+            f"Decode, {DECODE_SEQS} sequences at 4096 tokens of context, 64 tokens each "
+            "(median of 5 rounds, the dtypes in turns); a decode step: (generate 65 - "
+            "generate 1) / 64, the step that computes each prompt's last block again left out:"
         )
-        lines += ["", head, "", "| KV dtype | prefill of the 8 prompts, s | output tok/s | "
-                  "vs float32 | decode step ms | decode tok/s | vs float32 |",
+        lines += ["", head, "", f"| KV dtype | prefill of the {DECODE_SEQS} prompts, s | "
+                  "output tok/s | vs float32 | decode step ms | decode tok/s | vs float32 |",
                   "|---|---|---|---|---|---|---|"]  # fmt: skip
         f32 = decode["float32"]
         for kv, r in decode.items():
             lines.append(
                 f"| {kv} | {r['prefill_s']:.1f} | {r['tok_s']:.1f} | "
                 f"{r['tok_s'] / f32['tok_s']:.2f}x | "
-                f"{r['step_s'] * 1e3:.1f} | {8 / r['step_s']:.1f} | "
+                f"{r['step_s'] * 1e3:.1f} | {DECODE_SEQS / r['step_s']:.1f} | "
                 f"{f32['step_s'] / r['step_s']:.2f}x |"
             )
     if pool:

@@ -515,14 +515,14 @@ def split_recent_attend(q, k_a, v_a, k_b, v_b, prefix: int, recent: int, scale: 
     recent band, ``recent`` keys of k_b a row, directly. One mask over both sets of keys would
     have every row attend all of them: about four times the work of a 2048-token chunk."""
     n = q.shape[0]
-    parts = [_band(q, k_b, v_b, prefix, recent, scale)]
+    parts = [(0, *_band(q, k_b, v_b, prefix, recent, scale))]  # (first row, output, lse)
     d = prefix - recent  # row i reads k_a[: i + d + 1]
     if d >= 0:  # every row reads k_a[: d + 1], and row i the i - 1 after
-        parts.append(_flash(0, q, k_a[: d + 1], v_a[: d + 1], scale, causal=False))
+        parts.append((0, *_flash(q, k_a[: d + 1], v_a[: d + 1], scale, causal=False)))
         if n > 1:
-            parts.append(_flash(1, q[1:], k_a[d + 1 : d + n], v_a[d + 1 : d + n], scale, True))
+            parts.append((1, *_flash(q[1:], k_a[d + 1 : d + n], v_a[d + 1 : d + n], scale, True)))
     elif n > -d:  # rows from -d on read k_a[: i + d + 1]
-        parts.append(_flash(-d, q[-d:], k_a[: n + d], v_a[: n + d], scale, causal=True))
+        parts.append((-d, *_flash(q[-d:], k_a[: n + d], v_a[: n + d], scale, causal=True)))
     top = parts[0][2].clone()  # the band has a key for every row
     for r0, _, lse in parts[1:]:
         top[r0:] = torch.maximum(top[r0:], lse)
@@ -534,19 +534,19 @@ def split_recent_attend(q, k_a, v_a, k_b, v_b, prefix: int, recent: int, scale: 
     return out / total[..., None]
 
 
-def _flash(r0: int, q, k, v, scale: float, causal: bool):
-    """(r0, output, log-sum-exp) of rows q [n, Hq, D] over k, v [S, Hkv, D] (row r of
+def _flash(q, k, v, scale: float, causal: bool):
+    """(output, log-sum-exp) of rows q [n, Hq, D] over k, v [S, Hkv, D] (row r of
     ``causal`` reads their first r + 1)."""
     g = q.shape[1] // k.shape[1]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q.transpose(0, 1)[None], k.transpose(0, 1).repeat_interleave(g, 0)[None],
         v.transpose(0, 1).repeat_interleave(g, 0)[None], is_causal=causal, scale=scale,
     )  # fmt: skip
-    return r0, out[0].transpose(0, 1), lse[0].T
+    return out[0].transpose(0, 1), lse[0].T
 
 
 def _band(q, k_b, v_b, prefix: int, recent: int, scale: float):
-    """(0, output, log-sum-exp) of rows q [n, Hq, D] at prefix + i over the ``recent`` keys
+    """(output, log-sum-exp) of rows q [n, Hq, D] at prefix + i over the ``recent`` keys
     up to each, from k_b, v_b (positions from prefix - (len(k_b) - n) on)."""
     n, hq, dk = q.shape
     hkv = k_b.shape[1]
@@ -558,7 +558,7 @@ def _band(q, k_b, v_b, prefix: int, recent: int, scale: float):
     s = s.masked_fill(padded[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(s, -1)
     out = torch.einsum("nhgr,nhdr->nhgd", torch.exp(s - lse[..., None]), vw)
-    return 0, out.reshape(n, hq, -1), lse.reshape(n, hq)
+    return out.reshape(n, hq, -1), lse.reshape(n, hq)
 
 
 class CpuBackend(TorchBackend):

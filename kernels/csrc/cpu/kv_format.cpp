@@ -184,7 +184,8 @@ void read_channel_codes(const uint8_t* first, int64_t stride, int64_t D, Channel
   for (int64_t c = 0; c < D; c += 8) {  // D is a multiple of 32
     const vec8 s = mul8(load8_u8(scales + c), ds);
     store8(codes.s.data() + c, s);
-    store8(codes.lo8.data() + c, add8(add8(lo0, mul8(load8_u8(mins + c), dlo)), mul8(splat8(8.f), s)));
+    const vec8 lo = add8(lo0, mul8(load8_u8(mins + c), dlo));
+    store8(codes.lo8.data() + c, add8(lo, mul8(splat8(8.f), s)));
   }
   codes.group = first;
 }
